@@ -1,0 +1,33 @@
+# Quick start: `make run` (set up + main job), `make test` (set up + tests).
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+CONFIG ?= conf/local.toml
+
+.PHONY: setup run test bench clean
+
+# Idempotent: creates .venv once; installs the pinned CPU torch only when the
+# environment has none (an unpinned torch would pull GBs of CUDA wheels).
+setup: $(VENV)/.hmp-setup
+
+$(VENV)/.hmp-setup: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+run: setup
+	$(VENV)/bin/hmp-launch $(CONFIG)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/transport.py
+	$(PY) bench/ps.py
+	$(PY) bench/hfta.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs

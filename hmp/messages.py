@@ -1,0 +1,284 @@
+"""Typed messages: one frozen, slotted dataclass per kind, tagged by :class:`Kind`.
+
+Every message carries ``sender`` (node id) and ``rid`` (request id; a reply repeats the id of
+the request it answers, 0 for one-way messages). The remaining fields are the kind's own, each
+either a *scalar field* (travels inside the msgpack header) or a *tensor field* (annotated
+``Tensor`` or ``tuple[Tensor, ...]``; travels as raw frames after the header). The codec derives
+the wire schema from these annotations, so adding a kind is adding a class here.
+
+Control kinds (membership, heartbeats, scheduling) are apart from data kinds (tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+PROTOCOL_VERSION = 1
+
+
+class Kind(enum.Enum):
+    """Message kinds; the value is the name used on the wire."""
+
+    # control
+    JOIN = "join"
+    WELCOME = "welcome"
+    HEARTBEAT = "heartbeat"
+    LEAVE = "leave"
+    SHUTDOWN = "shutdown"
+    ACK = "ack"
+    ERROR = "error"
+    REPORT = "report"
+    ASSIGN = "assign"
+    STATUS = "status"
+    # data
+    INIT = "init"
+    PUSH = "push"
+    PULL = "pull"
+    PARAMS = "params"
+    TENSORS = "tensors"
+
+    @property
+    def is_control(self) -> bool:
+        return self in _CONTROL
+
+
+_CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
+                      Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS})
+
+
+def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
+    if isinstance(t, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(t))
+    t = t.detach().cpu().contiguous()
+    return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _field_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (torch.Tensor, np.ndarray)) or isinstance(b, (torch.Tensor, np.ndarray)):
+        if not isinstance(a, (torch.Tensor, np.ndarray)) or not isinstance(b, (torch.Tensor, np.ndarray)):
+            return False
+        return _tensor_bytes(a) == _tensor_bytes(b)  # bitwise: NaN == NaN, -0.0 != 0.0
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_field_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Message:
+    """Base of all messages. Equality compares kind and fields; tensors bitwise."""
+
+    kind: ClassVar[Kind]
+    sender: str = ""
+    rid: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_field_equal(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def replace(self, **changes: Any) -> Message:
+        return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        parts = [f"{self.sender or '?'} {self.kind.value}"]
+        if self.rid:
+            parts.append(f"#{self.rid}")
+        for f in dataclasses.fields(self):
+            if f.name in ("sender", "rid"):
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                parts.append(f"{f.name}={_short_tensor(v)}")
+            elif isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor):
+                total = sum(t.numel() * t.element_size() for t in v)
+                parts.append(f"{f.name}=[{len(v)} tensors, {total} B]")
+            elif isinstance(v, (tuple, list, dict)) and len(v) > 6:
+                parts.append(f"{f.name}=<{len(v)} items>")
+            else:
+                parts.append(f"{f.name}={v!r}")
+        return " ".join(parts)
+
+
+def _short_tensor(t: Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+MESSAGE_TYPES: dict[Kind, type[Message]] = {}
+
+
+def message(kind: Kind):
+    """Class decorator: make a frozen slotted message dataclass and register it for ``kind``."""
+
+    def wrap(cls: type) -> type[Message]:
+        cls.kind = kind  # type: ignore[attr-defined]
+        out = dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False, repr=False)(cls)
+        if kind in MESSAGE_TYPES:
+            raise TypeError(f"kind {kind} registered twice")
+        MESSAGE_TYPES[kind] = out
+        return out
+
+    return wrap
+
+
+# ----------------------------------------------------------------------------- control kinds
+
+@message(Kind.JOIN)
+class Join(Message):
+    """Node -> scheduler: I am up. Answered by :class:`Welcome`."""
+
+    role: str
+    address: str = ""
+    pid: int = 0
+
+
+@message(Kind.WELCOME)
+class Welcome(Message):
+    """Scheduler -> node: accepted; ``info`` carries membership and assignments."""
+
+    heartbeat_interval_s: float
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@message(Kind.HEARTBEAT)
+class Heartbeat(Message):
+    """Node -> scheduler, every ``heartbeat_interval_s``. Answered by :class:`Ack` or :class:`Shutdown`."""
+
+    step: int = 0
+
+
+@message(Kind.LEAVE)
+class Leave(Message):
+    """Node -> scheduler: I am stopping (``reason``). Answered by :class:`Ack`."""
+
+    reason: str = ""
+
+
+@message(Kind.SHUTDOWN)
+class Shutdown(Message):
+    """Tells the receiver to stop gracefully; as a reply, tells the requester the job is over."""
+
+    reason: str = ""
+
+
+@message(Kind.ACK)
+class Ack(Message):
+    """Generic success reply."""
+
+    detail: str = ""
+
+
+@message(Kind.ERROR)
+class Error(Message):
+    """Error reply: ``code`` is machine-readable (see docs/protocol.md), ``message`` for humans."""
+
+    code: str
+    message: str
+
+
+@message(Kind.REPORT)
+class Report(Message):
+    """Worker -> scheduler: progress since start (cumulative counters, rates in per second)."""
+
+    metrics: dict[str, float]
+    done: bool = False
+
+
+@message(Kind.ASSIGN)
+class Assign(Message):
+    """Scheduler -> worker: batch size and data share to use from now on."""
+
+    batch_size: int
+    data_share: float = 1.0
+    stop: bool = False
+
+
+@message(Kind.STATUS)
+class Status(Message):
+    """A request for a node's state (empty ``state``) or its answer (``state`` filled)."""
+
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- data kinds
+
+@message(Kind.INIT)
+class Init(Message):
+    """Set chunk values (``keys[i]`` gets ``values[i]``) on a PS shard. Answered by :class:`Ack`."""
+
+    keys: tuple[int, ...]
+    values: tuple[Tensor, ...]
+
+
+@message(Kind.PUSH)
+class Push(Message):
+    """Worker -> shard: gradients for chunks ``keys``, computed at parameter version ``version``
+    from ``samples`` examples. Answered by :class:`Params` with the chunks' new values."""
+
+    keys: tuple[int, ...]
+    grads: tuple[Tensor, ...]
+    version: int = 0
+    samples: int = 0
+
+
+@message(Kind.PULL)
+class Pull(Message):
+    """Worker -> shard: current values of chunks ``keys``. Answered by :class:`Params`."""
+
+    keys: tuple[int, ...]
+
+
+@message(Kind.PARAMS)
+class Params(Message):
+    """Shard -> worker: values of chunks ``keys`` at parameter version ``version``."""
+
+    keys: tuple[int, ...]
+    values: tuple[Tensor, ...]
+    version: int = 0
+
+
+@message(Kind.TENSORS)
+class Tensors(Message):
+    """Named tensors between nodes (pipeline activations/gradients, benchmarks)."""
+
+    name: str
+    tensors: tuple[Tensor, ...]
+    step: int = 0
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- schema
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How one field travels: ``tensor`` fields as frames, the rest in the header."""
+
+    name: str
+    annotation: Any
+    tensor: bool
+    many: bool  # tuple[Tensor, ...] rather than one Tensor
+    required: bool
+
+
+def _schema(cls: type[Message]) -> tuple[FieldSpec, ...]:
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        if f.name in ("sender", "rid"):
+            continue
+        ann = hints[f.name]
+        tensor = ann is torch.Tensor or ann == tuple[torch.Tensor, ...]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        specs.append(FieldSpec(f.name, ann, tensor, tensor and ann is not torch.Tensor, required))
+    return tuple(specs)
+
+
+SCHEMAS: dict[Kind, tuple[FieldSpec, ...]] = {k: _schema(c) for k, c in MESSAGE_TYPES.items()}

@@ -1,0 +1,222 @@
+"""Pure codec tests: round trips of every dtype and shape, and decode's error contract."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hmp.errors import ProtocolError
+from hmp.messages import (MESSAGE_TYPES, Ack, Assign, Error, Heartbeat, Join, Kind, Params, Pull, Push, Report,
+                          Tensors, Welcome)
+from hmp.transport.codec import DTYPES, Limits, decode, encode
+
+SHAPES = [(), (0,), (3,), (2, 3), (4, 0, 2), (2, 1, 3, 1, 2), (1,) * 8]
+
+
+def _sample(dtype: torch.dtype, shape) -> torch.Tensor:
+    if dtype is torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_every_dtype_and_shape(dtype, shape):
+    """Every supported dtype and shape (0-d, empty, rank 8) comes back bit-exact with its dtype and shape."""
+    t = _sample(dtype, shape)
+    out = decode(encode(Tensors(name="t", tensors=(t,))))
+    (got,) = out.tensors
+    assert got.dtype == dtype and tuple(got.shape) == shape
+    assert got.reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist()
+
+
+@pytest.mark.parametrize("np_dtype", ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
+                                      "float64"])
+def test_numpy_arrays_travel_as_tensors(np_dtype):
+    """numpy arrays (also non-contiguous ones) are accepted and arrive as equal torch tensors."""
+    a = (np.arange(24).reshape(4, 6) % 3).astype(np_dtype)[:, ::2]
+    (got,) = decode(encode(Tensors(name="a", tensors=(a,)))).tensors
+    np.testing.assert_array_equal(got.numpy(), a)
+
+
+def test_single_frame_tensor_is_a_view_over_the_frame():
+    """A tensor that fits one frame is decoded as a view over the received buffer, not a copy."""
+    frames = [bytes(f) for f in encode(Tensors(name="x", tensors=(torch.arange(10, dtype=torch.float32),)))]
+    frames[1] = bytearray(frames[1])
+    (got,) = decode(frames).tensors
+    frames[1][0:4] = np.float32(42.0).tobytes()
+    assert got[0].item() == 42.0
+
+
+def test_send_side_frames_alias_the_tensor():
+    """encode() returns views of the tensor's memory (zero-copy send), cut at frame_bytes."""
+    t = torch.zeros(1000, dtype=torch.float32)
+    frames = encode(Tensors(name="x", tensors=(t,)), frame_bytes=1024)
+    assert [len(memoryview(f)) for f in frames[1:]] == [1024, 1024, 1024, 928]
+    t[0] = 1.0
+    assert np.frombuffer(frames[1], dtype=np.float32)[0] == 1.0
+
+
+def test_large_tensor_split_into_frames_round_trips():
+    """A tensor larger than the frame size spans several frames and is reassembled bit-exact."""
+    t = torch.randn(3 * 1024 * 1024 // 4 + 7)
+    frames = encode(Tensors(name="x", tensors=(t,)), frame_bytes=1 << 20)
+    assert len(frames) == 1 + 4
+    assert torch.equal(decode(frames).tensors[0], t)
+
+
+def test_cuda_tensor_requires_explicit_move():
+    """A tensor not on the CPU is refused with a clear error rather than silently copied."""
+    t = torch.zeros(2, device="meta")
+    with pytest.raises(ProtocolError, match="move it to the CPU"):
+        encode(Tensors(name="x", tensors=(t,)))
+
+
+def test_short_reprs_for_logs():
+    """Messages print short, log-friendly reprs without tensor contents."""
+    r = repr(Push(sender="W[0]", rid=5, keys=(1, 2), grads=(torch.zeros(4), torch.zeros(2))))
+    assert r == "W[0] push #5 keys=(1, 2) grads=[2 tensors, 24 B] version=0 samples=0"
+    assert Kind.HEARTBEAT.is_control and not Kind.PUSH.is_control
+
+
+# ----------------------------------------------------------------------------- property tests
+
+_text = st.text(max_size=20)
+_scalar_for = {
+    int: st.integers(min_value=-(2**63), max_value=2**63 - 1), float: st.floats(allow_nan=False),
+    str: _text, bool: st.booleans(),
+}
+_tensor = st.builds(
+    lambda dtype, shape, seed: _sample_seeded(dtype, shape, seed),
+    st.sampled_from(list(DTYPES.values())),
+    st.lists(st.integers(0, 4), max_size=4).map(tuple),
+    st.integers(0, 2**16),
+)
+
+
+def _sample_seeded(dtype, shape, seed):
+    torch.manual_seed(seed)
+    return _sample(dtype, shape)
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | _text,
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(_text, c, max_size=3), max_leaves=8)
+
+_messages = st.one_of(
+    st.builds(Push, sender=_text, rid=st.integers(0, 2**64 - 1), keys=st.lists(st.integers(0, 2**31)).map(tuple),
+              grads=st.lists(_tensor, max_size=4).map(tuple), version=_scalar_for[int], samples=_scalar_for[int]),
+    st.builds(Params, keys=st.lists(st.integers(0, 100)).map(tuple), values=st.lists(_tensor, max_size=3).map(tuple)),
+    st.builds(Pull, keys=st.lists(st.integers(0, 100)).map(tuple)),
+    st.builds(Tensors, name=_text, tensors=st.lists(_tensor, max_size=3).map(tuple), step=_scalar_for[int],
+              meta=st.dictionaries(_text, _json, max_size=3)),
+    st.builds(Report, metrics=st.dictionaries(_text, _scalar_for[float], max_size=5), done=st.booleans()),
+    st.builds(Assign, batch_size=_scalar_for[int], data_share=_scalar_for[float], stop=st.booleans()),
+    st.builds(Join, role=_text, address=_text, pid=_scalar_for[int]),
+    st.builds(Welcome, heartbeat_interval_s=_scalar_for[float], info=st.dictionaries(_text, _json, max_size=3)),
+    st.builds(Error, code=_text, message=_text), st.builds(Ack, detail=_text), st.builds(Heartbeat, step=_scalar_for[int]),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_messages, st.integers(1, 64))
+def test_decode_inverts_encode(msg, frame_bytes):
+    """decode(encode(m)) == m for generated messages of every shape, at any frame size."""
+    assert decode(encode(msg, frame_bytes=frame_bytes)) == msg
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
+def test_random_frames_raise_only_protocol_error(frames):
+    """Arbitrary bytes never make decode raise anything but ProtocolError."""
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(_messages, st.data())
+def test_mutated_real_messages_raise_only_protocol_error(msg, data):
+    """Truncated, extended, reordered or bit-flipped real messages decode or raise ProtocolError, nothing else."""
+    frames = [bytes(memoryview(f)) for f in encode(msg, frame_bytes=8)]
+    op = data.draw(st.sampled_from(["truncate_frames", "drop_frame", "extra_frame", "flip", "cut_header", "swap"]))
+    if op == "truncate_frames":
+        frames = frames[: data.draw(st.integers(0, len(frames)))]
+    elif op == "drop_frame" and len(frames) > 1:
+        del frames[data.draw(st.integers(1, len(frames) - 1))]
+    elif op == "extra_frame":
+        frames.append(data.draw(st.binary(max_size=16)))
+    elif op == "flip":
+        i = data.draw(st.integers(0, len(frames) - 1))
+        if frames[i]:
+            j = data.draw(st.integers(0, len(frames[i]) - 1))
+            b = bytearray(frames[i])
+            b[j] ^= 1 << data.draw(st.integers(0, 7))
+            frames[i] = bytes(b)
+    elif op == "cut_header":
+        frames[0] = frames[0][: data.draw(st.integers(0, len(frames[0])))]
+    elif op == "swap" and len(frames) > 2:
+        frames[1], frames[-1] = frames[-1], frames[1]
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+def _header(**over):
+    h = {"version": 1, "kind": "pull", "sender": "x", "rid": 1, "fields": {"keys": [1]}, "tensors": []}
+    h.update(over)
+    return msgpack.packb(h)
+
+
+@pytest.mark.parametrize(
+    ("frames", "code", "match"),
+    [
+        ([b"\xc1"], "malformed", "not valid msgpack"),
+        ([msgpack.packb([1, 2])], "malformed", "must be a map"),
+        ([_header(version=2)], "bad_version", "version 2"),
+        ([_header(kind="teleport")], "unknown_kind", "teleport"),
+        ([_header(fields={})], "bad_field", "missing field 'keys'"),
+        ([_header(fields={"keys": "abc"})], "bad_field", "expected tuple"),
+        ([_header(fields={"keys": [1], "color": 3})], "bad_field", "unexpected field 'color'"),
+        ([_header(rid=-1)], "malformed", "rid"),
+        ([_header(kind="tensors", fields={"name": "a"}, tensors=[{"field": "tensors", "dtype": "complex64",
+                                                                  "shape": [1], "frames": 1}]), b"12345678"],
+         "bad_dtype", "complex64"),
+        ([_header(kind="tensors", fields={"name": "a"}, tensors=[{"field": "tensors", "dtype": "float32",
+                                                                  "shape": [3], "frames": 1}]), b"1234"],
+         "malformed", "expected 12"),
+        ([_header(kind="tensors", fields={"name": "a"}, tensors=[{"field": "tensors", "dtype": "float32",
+                                                                  "shape": [1] * 9, "frames": 1}]), b"1234"],
+         "too_large", "rank 9"),
+        ([_header(kind="tensors", fields={"name": "a"}, tensors=[]), b"stray"], "malformed", "not described"),
+    ],
+)
+def test_malformed_headers_name_the_problem(frames, code, match):
+    """Each kind of malformed header is refused with its error code and a message naming the problem."""
+    with pytest.raises(ProtocolError, match=match) as info:
+        decode(frames)
+    assert info.value.code == code
+
+
+def test_limits_are_enforced():
+    """Messages over the configured frame, byte or rank limits are refused as too_large."""
+    msg = Tensors(name="x", tensors=(torch.zeros(64),))
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(msg, frame_bytes=16), Limits(max_frames=8))
+    assert info.value.code == "too_large"
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(msg), Limits(max_message_bytes=100))
+    assert info.value.code == "too_large"
+
+
+def test_every_kind_is_registered():
+    """Every Kind has exactly one message class."""
+    assert set(MESSAGE_TYPES) == set(Kind)

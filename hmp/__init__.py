@@ -1,0 +1,21 @@
+"""hmp: a heterogeneous message-passing runtime for distributed deep-learning training."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LocalCluster", "PSClient", "load_config", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing hmp must not pull torch and zmq into processes that need neither.
+    if name == "LocalCluster":
+        from hmp.cluster import LocalCluster
+        return LocalCluster
+    if name == "PSClient":
+        from hmp.client import PSClient
+        return PSClient
+    if name == "load_config":
+        from hmp.config import load
+        return load
+    raise AttributeError(name)

@@ -1,0 +1,135 @@
+"""A client for running PS shards, usable from any asyncio program.
+
+    async with PSClient.from_config(cfg, shards) as ps:   # shards: [(id, address), ...]
+        await ps.pull()                 # model parameters <- shards
+        loss = ...; loss.backward()     # gradients land in the flat grad buffer
+        await ps.push(samples=32)       # gradients -> shards; replies carry the new values
+
+``push`` sends each shard one ``push`` message whose frames are views of the flat gradient buffer
+(no concatenation copy) and writes the values in the ``params`` reply straight into the model's
+parameters (the one necessary copy: receive frame -> parameter storage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hmp.config import Config
+from hmp.messages import Leave, Params, Pull, Push
+from hmp.nodes.base import limits_of
+from hmp.ps.plan import ModelPlan
+from hmp.transport.endpoint import Client
+
+
+class PSClient:
+    """Talks to every shard of one model; the model's parameters live in ``plan``'s flat buffers."""
+
+    def __init__(self, plan: ModelPlan, shards: Sequence[tuple[str, str]], *, name: str = "client",
+                 cfg: Config | None = None, timeout_s: float = 60.0) -> None:
+        if len(shards) != len(plan.placement):
+            raise ValueError(f"the plan places chunks on {len(plan.placement)} shards, {len(shards)} given")
+        self.plan, self.cfg, self.name = plan, cfg, name
+        kw: dict[str, Any] = {"name": name, "timeout_s": timeout_s}
+        if cfg is not None:
+            kw.update(limits=limits_of(cfg), frame_bytes=cfg.limits.frame_bytes)
+        self.shards = [(sid, Client(addr, **kw), tuple(plan.placement[i])) for i, (sid, addr) in enumerate(shards)]
+        self._params = plan.param_views()
+        self._grads = plan.grad_views()
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        self._staging: dict[int, torch.Tensor] | None = None
+        if device.type != "cpu":
+            # CUDA gradients cross to the CPU explicitly, once per push, into pinned staging buffers.
+            self._staging = {k: torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for k, g in self._grads.items()}
+        self.version = 0
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, shards: Sequence[tuple[str, str]], *, name: str = "client",
+                    device: str = "cpu") -> PSClient:
+        return cls(ModelPlan.from_config(cfg, device), shards, name=name, cfg=cfg,
+                   timeout_s=cfg.limits.request_timeout_s)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.plan.model
+
+    async def __aenter__(self) -> PSClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        for _, client, _ in self.shards:
+            await client.connect()
+
+    async def close(self) -> None:
+        for _, client, _ in self.shards:
+            await client.close()
+
+    def _write(self, reply: Params) -> None:
+        with torch.no_grad():
+            for k, v in zip(reply.keys, reply.values):
+                self._params[k].copy_(v, non_blocking=False)
+        self.version = max(self.version, reply.version)
+        self.bytes_in += sum(v.numel() * v.element_size() for v in reply.values)
+
+    async def pull(self) -> None:
+        """Fetch every chunk's current value into the model's parameters."""
+        replies = await asyncio.gather(*(c.request(Pull(keys=keys)) for _, c, keys in self.shards if keys))
+        for r in replies:
+            self._write(r)
+
+    async def push(self, samples: int = 0) -> int:
+        """Send the flat gradient buffer's chunks to their shards; apply the new values. Returns the version."""
+        grads = self._grads
+        if self._staging is not None:
+            for k, g in grads.items():
+                self._staging[k].copy_(g, non_blocking=True)
+            torch.cuda.synchronize()
+            grads = self._staging
+        # The gradient buffer is not touched again before the replies arrive, and a reply implies
+        # the request was fully received, so the zero-copy send needs no tracker here.
+        reqs = []
+        for _, c, keys in self.shards:
+            if keys:
+                g = tuple(grads[k] for k in keys)
+                self.bytes_out += sum(t.numel() * t.element_size() for t in g)
+                reqs.append(c.request(Push(keys=keys, grads=g, version=self.version, samples=samples)))
+        for r in await asyncio.gather(*reqs):
+            self._write(r)
+        return self.version
+
+    async def leave(self, reason: str = "done") -> None:
+        """Tell every shard this client is done (it stops counting in sync rounds and SSP bounds)."""
+        await asyncio.gather(*(c.request(Leave(reason=reason), timeout_s=5.0) for _, c, _ in self.shards),
+                             return_exceptions=True)
+
+    def evaluate(self, dataset: Any = None) -> dict[str, float]:
+        """Test accuracy and loss of the current parameters on ``dataset`` (default: the config's)."""
+        if dataset is None:
+            from hmp.data import load_dataset_from_config
+
+            assert self.cfg is not None
+            dataset = load_dataset_from_config(self.cfg)
+        return evaluate(self.model, dataset.x_test, dataset.y_test)
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096) -> dict[str, float]:
+    device = next(model.parameters()).device
+    correct, loss, n = 0, 0.0, len(y)
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            out = model(x[i:i + batch].to(device))
+            yy = y[i:i + batch].to(device)
+            loss += torch.nn.functional.cross_entropy(out, yy, reduction="sum").item()
+            correct += (out.argmax(1) == yy).sum().item()
+    model.train()
+    return {"test_accuracy": correct / max(1, n), "test_loss": loss / max(1, n)}

@@ -1,0 +1,322 @@
+"""Job topology and settings: TOML files loaded into frozen dataclasses.
+
+The one place config is read. Every error names the file, the key and what was expected
+(:class:`~hmp.errors.ConfigError`). Environment overrides are read in :func:`env_overrides` only
+and listed in the README's config reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from hmp.errors import ConfigError
+
+ROLES = ("scheduler", "ps", "cpu_worker", "gpu_worker")
+WORKER_ROLES = ("cpu_worker", "gpu_worker")
+CONSISTENCY = ("async", "sync", "ssp")
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return dataclasses.field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """One daemon of the topology."""
+
+    id: str = _field("", "unique node id, e.g. 'ps0'")
+    role: str = _field("", f"one of {', '.join(ROLES)}")
+    host: str = _field("127.0.0.1", "host the launcher starts this daemon on")
+    bind: str = _field("tcp://127.0.0.1:0", "ZeroMQ address to bind (port 0: the OS picks one)")
+    advertise: str = _field("", "address peers dial; empty: the bound address")
+    device: str = _field("", "workers: 'cpu' or 'cuda[:N]'; empty: cpu for cpu_worker, cuda for gpu_worker")
+    batch_size: int = _field(0, "workers: initial batch size; 0 takes [train] batch_size")
+    threads: int = _field(1, "torch intra-op threads for this process (daemons share the cores)")
+    hogwild_threads: int = _field(1, "cpu_worker: lock-free training threads on the local replica")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = _field("digits_mlp", "model factory in hmp.models (digits_mlp, click_model, deep_mlp)")
+    args: dict = _field({}, "keyword arguments for the factory")
+    seed: int = _field(0, "seed for the initial parameters (every node builds the same model)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    kind: str = _field("digits", "digits | click | svmlight | npz")
+    path: str = _field("", "svmlight/npz: the file (relative paths: to the config file)")
+    test_path: str = _field("", "svmlight: an optional separate test file")
+    test_fraction: float = _field(0.2, "held-out fraction when the data has no test split")
+    samples: int = _field(20000, "click: examples to generate")
+    args: dict = _field({}, "extra loader arguments")
+    seed: int = _field(0, "split / generation seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = _field("sgd", "sgd | adam | adagrad (applied per chunk on the PS)")
+    lr: float = _field(0.05, "learning rate")
+    momentum: float = _field(0.0, "sgd momentum")
+    nesterov: bool = _field(False, "sgd nesterov momentum")
+    weight_decay: float = _field(0.0, "L2 weight decay")
+    betas: list = _field([0.9, 0.999], "adam betas")
+    eps: float = _field(1e-8, "adam/adagrad epsilon")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    consistency: str = _field("async", f"one of {', '.join(CONSISTENCY)}")
+    staleness: int = _field(3, "ssp: how many updates a worker may run ahead of the slowest")
+    batch_size: int = _field(32, "default batch size per worker")
+    epochs: int = _field(20, "passes over each worker's data shard (upper bound)")
+    target_accuracy: float = _field(0.0, "stop once the test accuracy reaches this (0: run all epochs)")
+    max_seconds: float = _field(600.0, "stop the job after this long (seconds)")
+    eval_every_s: float = _field(1.0, "how often worker 0 measures test accuracy (seconds)")
+    report_interval_s: float = _field(0.5, "how often workers report to the scheduler (seconds)")
+    policy: str = _field("static", "batch sizing: static | sync | hogbatch | adaptive")
+    policy_args: dict = _field({}, "policy knobs (see docs/hogbatch.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PSConfig:
+    chunk_bytes: int = _field(1 << 20, "parameter chunk size (bytes); chunks are spread over the shards")
+    checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: only at shutdown)")
+    checkpoint_dir: str = _field("", "where shards write checkpoints; empty: <report_dir>/checkpoints")
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitsConfig:
+    frame_bytes: int = _field(1 << 20, "tensors are cut into frames of at most this many bytes")
+    max_frames: int = _field(4096, "data frames per message")
+    max_message_bytes: int = _field(1 << 30, "tensor bytes per message")
+    max_rank: int = _field(8, "tensor rank")
+    request_timeout_s: float = _field(60.0, "a request without reply fails after this (seconds)")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    name: str = _field("job", "job name, used in logs and the report")
+    report_dir: str = _field("runs/{name}", "where the run report goes (relative: to the working dir)")
+    heartbeat_interval_s: float = _field(0.5, "nodes heartbeat this often; 3 missed = lost")
+    join_timeout_s: float = _field(60.0, "how long the scheduler waits for every node to join")
+    log_format: str = _field("auto", "auto | console | json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole job: topology plus settings. ``path`` is the file it came from."""
+
+    path: str
+    job: JobConfig
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    ps: PSConfig
+    limits: LimitsConfig
+    nodes: tuple[NodeConfig, ...]
+
+    def node(self, node_id: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise ConfigError(self.path, "nodes", f"no node with id {node_id!r}; ids are {[n.id for n in self.nodes]}")
+
+    def by_role(self, *roles: str) -> list[NodeConfig]:
+        return [n for n in self.nodes if n.role in roles]
+
+    @property
+    def scheduler(self) -> NodeConfig:
+        return self.by_role("scheduler")[0]
+
+    @property
+    def workers(self) -> list[NodeConfig]:
+        return self.by_role(*WORKER_ROLES)
+
+    @property
+    def shards(self) -> list[NodeConfig]:
+        return self.by_role("ps")
+
+    @property
+    def report_dir(self) -> Path:
+        return Path(self.job.report_dir.format(name=self.job.name))
+
+    def resolve(self, p: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        q = Path(p)
+        return q if q.is_absolute() else Path(self.path).resolve().parent / q
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
+                             "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig}
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "an array",
+            dict: "a table"}.get(t, str(t))
+
+
+def _convert(path: str, key: str, value: Any, typ: Any) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(path, key, f"expected {_type_name(typ)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, table: Any, path: str, prefix: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(path, prefix, "expected a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(path, f"{prefix}.{unknown[0]}", f"unknown key; expected one of {sorted(fields)}")
+    kwargs = {k: _convert(path, f"{prefix}.{k}", v, hints[k]) for k, v in table.items()}
+    return cls(**kwargs)
+
+
+def loads(text: str, path: str = "<string>") -> Config:
+    """Parse TOML text into a validated :class:`Config`."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "<file>", f"valid TOML ({exc})") from None
+    allowed = set(SECTIONS) | {"nodes"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(path, unknown[0], f"unknown section; expected one of {sorted(allowed)}")
+    sections = {name: _build(cls, raw.get(name, {}), path, name) for name, cls in SECTIONS.items()}
+    nodes_raw = raw.get("nodes")
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise ConfigError(path, "nodes", "an array of tables ([[nodes]]) with at least one node per role")
+    nodes = tuple(_build(NodeConfig, n, path, f"nodes[{i}]") for i, n in enumerate(nodes_raw))
+    cfg = Config(path=path, nodes=nodes, **sections)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | os.PathLike) -> Config:
+    """Load and validate a TOML config file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(str(p), "<file>", f"a readable file ({exc.strerror})") from None
+    return loads(text, str(p))
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks: roles, unique ids and addresses, value ranges."""
+    p = cfg.path
+    seen_ids: dict[str, int] = {}
+    seen_bind: dict[str, int] = {}
+    for i, n in enumerate(cfg.nodes):
+        k = f"nodes[{i}]"
+        if not n.id:
+            raise ConfigError(p, f"{k}.id", "a non-empty node id")
+        if n.role not in ROLES:
+            raise ConfigError(p, f"{k}.role", f"one of {list(ROLES)}, got {n.role!r}")
+        if n.id in seen_ids:
+            raise ConfigError(p, f"{k}.id", f"a unique id; {n.id!r} is also nodes[{seen_ids[n.id]}]")
+        seen_ids[n.id] = i
+        if not n.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(p, f"{k}.bind", f"a tcp://, ipc:// or inproc:// address, got {n.bind!r}")
+        if not n.bind.endswith(":0"):
+            if n.bind in seen_bind:
+                raise ConfigError(p, f"{k}.bind", f"a unique address; {n.bind!r} is also nodes[{seen_bind[n.bind]}]")
+            seen_bind[n.bind] = i
+        if n.threads < 1:
+            raise ConfigError(p, f"{k}.threads", "an integer >= 1")
+        if n.hogwild_threads < 1:
+            raise ConfigError(p, f"{k}.hogwild_threads", "an integer >= 1")
+        if n.batch_size < 0:
+            raise ConfigError(p, f"{k}.batch_size", "an integer >= 0")
+        if n.device and not (n.device == "cpu" or n.device.startswith("cuda")):
+            raise ConfigError(p, f"{k}.device", f"'cpu' or 'cuda[:N]', got {n.device!r}")
+    for role in ROLES:
+        count = len(cfg.by_role(role))
+        if role == "scheduler" and count != 1:
+            raise ConfigError(p, "nodes", f"exactly one node with role 'scheduler', found {count}")
+        if role == "ps" and count < 1:
+            raise ConfigError(p, "nodes", "at least one node with role 'ps'")
+    if not cfg.workers:
+        raise ConfigError(p, "nodes", "at least one node with role 'cpu_worker' or 'gpu_worker'")
+    sched = cfg.scheduler
+    if sched.bind.endswith(":0") and not sched.advertise:
+        raise ConfigError(p, f"nodes[{seen_ids[sched.id]}].bind", "a fixed address for the scheduler (the rendezvous point)")
+    t = cfg.train
+    if t.consistency not in CONSISTENCY:
+        raise ConfigError(p, "train.consistency", f"one of {list(CONSISTENCY)}, got {t.consistency!r}")
+    if t.staleness < 0:
+        raise ConfigError(p, "train.staleness", "an integer >= 0")
+    if t.batch_size < 1:
+        raise ConfigError(p, "train.batch_size", "an integer >= 1")
+    if t.epochs < 1:
+        raise ConfigError(p, "train.epochs", "an integer >= 1")
+    if not 0.0 <= t.target_accuracy <= 1.0:
+        raise ConfigError(p, "train.target_accuracy", "a number in [0, 1]")
+    if cfg.optimizer.name not in ("sgd", "adam", "adagrad"):
+        raise ConfigError(p, "optimizer.name", f"one of ['sgd', 'adam', 'adagrad'], got {cfg.optimizer.name!r}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(p, "optimizer.lr", "a number > 0")
+    if cfg.data.kind not in ("digits", "click", "svmlight", "npz"):
+        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'svmlight', 'npz'], got {cfg.data.kind!r}")
+    if cfg.data.kind in ("svmlight", "npz") and not cfg.data.path:
+        raise ConfigError(p, "data.path", f"a file path for data.kind = {cfg.data.kind!r}")
+    if cfg.ps.chunk_bytes < 64:
+        raise ConfigError(p, "ps.chunk_bytes", "an integer >= 64")
+    if cfg.limits.frame_bytes < 64:
+        raise ConfigError(p, "limits.frame_bytes", "an integer >= 64")
+    if cfg.job.log_format not in ("auto", "console", "json"):
+        raise ConfigError(p, "job.log_format", "one of ['auto', 'console', 'json']")
+
+
+#: environment variable -> (section, key); the only environment overrides hmp reads.
+ENV_OVERRIDES = {
+    "HMP_MAX_SECONDS": ("train", "max_seconds"),
+    "HMP_REPORT_DIR": ("job", "report_dir"),
+    "HMP_LOG_FORMAT": ("job", "log_format"),
+}
+
+
+def env_overrides(cfg: Config, environ: typing.Mapping[str, str] | None = None) -> Config:
+    """Apply the HMP_* environment overrides listed in :data:`ENV_OVERRIDES`."""
+    environ = os.environ if environ is None else environ
+    for var, (section, key) in ENV_OVERRIDES.items():
+        if var in environ:
+            sec = getattr(cfg, section)
+            typ = typing.get_type_hints(type(sec))[key]
+            try:
+                value = typ(environ[var])
+            except ValueError:
+                raise ConfigError(f"${var}", f"{section}.{key}", f"{_type_name(typ)}, got {environ[var]!r}") from None
+            cfg = cfg.replace(**{section: dataclasses.replace(sec, **{key: value})})
+    return cfg
+
+
+def reference() -> str:
+    """The config reference as Markdown (README section), generated from the dataclasses."""
+    out = []
+    for name, cls in [*SECTIONS.items(), ("nodes", NodeConfig)]:
+        out.append(f"### `[{name}]`" if name != "nodes" else "### `[[nodes]]` (one table per daemon)")
+        out.append("| key | default | meaning |\n|---|---|---|")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(f"| `{f.name}` | `{default!r}` | {f.metadata.get('help', '')} |")
+        out.append("")
+    return "\n".join(out)
+
+

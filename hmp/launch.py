@@ -1,0 +1,113 @@
+"""``hmp-launch CONFIG``: start every daemon of a topology on this host, show progress, stop them all.
+
+Exit code 0 when the job finished, 1 when a daemon failed (its log tail is printed), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from typing import Any
+
+import uvloop
+
+from hmp.cluster import JobFailed, LocalCluster
+from hmp.config import env_overrides, load
+from hmp.errors import ConfigError
+
+
+class ProgressBar:
+    """One status line: epoch, per-worker samples/s and loss, best accuracy, elapsed time.
+
+    On a terminal the line is redrawn in place; otherwise a line is printed every ``every_s``.
+    """
+
+    def __init__(self, epochs: int, stream=sys.stdout, every_s: float = 5.0) -> None:
+        self.epochs, self.stream, self.every_s = epochs, stream, every_s
+        self.tty = stream.isatty()
+        self.last = 0.0
+
+    def __call__(self, st: dict[str, Any]) -> None:
+        workers = st.get("workers", {})
+        epoch = max((int(w.get("epoch", 0)) for w in workers.values()), default=0)
+        parts = [f"epoch {min(epoch + 1, self.epochs)}/{self.epochs}"]
+        for wid, w in sorted(workers.items()):
+            if w:
+                parts.append(f"{wid} {w.get('samples_per_s', 0):7.0f} samples/s loss {w.get('loss', float('nan')):.3f}")
+        if st.get("best_accuracy"):
+            parts.append(f"acc {st['best_accuracy']:.3f}")
+        parts.append(f"{st.get('elapsed_s', 0):5.1f}s")
+        line = " | ".join(parts)
+        if self.tty:
+            self.stream.write("\r" + line[:200].ljust(120))
+            self.stream.flush()
+        elif time.monotonic() - self.last >= self.every_s:
+            print(line, file=self.stream, flush=True)
+            self.last = time.monotonic()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+async def _launch(args: argparse.Namespace) -> int:
+    cfg = env_overrides(load(args.config))
+    bar = ProgressBar(cfg.train.epochs)
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    interrupted = False
+
+    def on_signal() -> None:
+        nonlocal interrupted
+        interrupted = True
+        assert task is not None
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
+    async with LocalCluster(cfg, resume=args.resume) as cluster:
+        try:
+            report = await cluster.train(timeout_s=args.timeout, progress=bar)
+        except JobFailed as exc:
+            bar.close()
+            print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
+            return 1
+        except asyncio.CancelledError:
+            bar.close()
+            if interrupted:
+                print("hmp-launch: interrupted; stopping every daemon", file=sys.stderr)
+                return 130
+            raise
+    bar.close()
+    final = report.get("final", {})
+    print(f"hmp-launch: job finished: {final.get('stop_reason', '')}")
+    if "test_accuracy" in final:
+        print(f"final test accuracy: {final['test_accuracy']:.4f}  (loss {final.get('test_loss', 0):.4f}, "
+              f"{final.get('elapsed_s', 0):.1f} s)")
+    for wid, w in report.get("workers", {}).items():
+        print(f"  {wid}: {w['updates']:.0f} updates ({w['update_share']:.0%}), {w['samples_per_s']:.0f} samples/s, "
+              f"busy {w['busy_fraction']:.0%}, {w['bytes_out'] / 1e6:.1f} MB out")
+    print(f"report: {cfg.report_dir / 'report.json'}, plot: {cfg.report_dir / 'loss.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hmp-launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="topology/job TOML file, e.g. conf/local.toml")
+    ap.add_argument("--resume", action="store_true", help="PS shards continue from their checkpoints")
+    ap.add_argument("--timeout", type=float, default=None, help="fail the job after this many seconds")
+    args = ap.parse_args(argv)
+    try:
+        return uvloop.run(_launch(args))
+    except ConfigError as exc:
+        print(f"hmp-launch: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Entry points of the four daemons (``[project.scripts]``): ``hmp-<role> --config FILE --id NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvloop
+
+from hmp import log as hmp_log
+from hmp.config import env_overrides, load
+from hmp.errors import ConfigError, HmpError
+
+
+def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"hmp-{role.replace('_', '-')}", description=f"Run one hmp {role} daemon.")
+    ap.add_argument("--config", required=True, help="topology/job TOML file (see conf/)")
+    ap.add_argument("--id", required=True, help="this node's id in the config's [[nodes]]")
+    ap.add_argument("--log-format", choices=["auto", "console", "json"], default=None,
+                    help="override [job] log_format")
+    if role == "ps":
+        ap.add_argument("--resume", action="store_true", help="continue from this shard's last checkpoint")
+    return ap.parse_args(argv)
+
+
+def _run(role: str, argv: list[str] | None = None) -> int:
+    args = _parse(role, argv)
+    try:
+        cfg = env_overrides(load(args.config))
+        node_cfg = cfg.node(args.id)
+        if node_cfg.role != role:
+            raise ConfigError(cfg.path, f"nodes[id={args.id}].role", f"role {role!r} for hmp-{role}, "
+                                                                    f"found {node_cfg.role!r}")
+    except ConfigError as exc:
+        print(f"hmp-{role}: config error: {exc}", file=sys.stderr)
+        return 2
+    hmp_log.configure(args.log_format or cfg.job.log_format)
+    import torch
+
+    torch.set_num_threads(node_cfg.threads)  # several daemons share the cores
+
+    async def go() -> int:
+        if role == "scheduler":
+            from hmp.nodes.scheduler import SchedulerNode as cls
+            node = cls(cfg, args.id)
+        elif role == "ps":
+            from hmp.nodes.ps_shard import PSShardNode
+            node = PSShardNode(cfg, args.id, resume=args.resume)
+        else:
+            from hmp.nodes.worker import WorkerNode
+            node = WorkerNode(cfg, args.id)
+        return await node.run()
+
+    try:
+        return uvloop.run(go())
+    except HmpError as exc:
+        print(f"hmp-{role} {args.id}: {exc}", file=sys.stderr)
+        return 1
+
+
+def scheduler_main(argv: list[str] | None = None) -> int:
+    return _run("scheduler", argv)
+
+
+def ps_main(argv: list[str] | None = None) -> int:
+    return _run("ps", argv)
+
+
+def cpu_worker_main(argv: list[str] | None = None) -> int:
+    return _run("cpu_worker", argv)
+
+
+def gpu_worker_main(argv: list[str] | None = None) -> int:
+    return _run("gpu_worker", argv)
+
+
+ROLE_MAINS = {"scheduler": scheduler_main, "ps": ps_main, "cpu_worker": cpu_worker_main,
+              "gpu_worker": gpu_worker_main}
+
+if __name__ == "__main__":  # python -m hmp.nodes.main ROLE --config ... --id ...
+    sys.exit(ROLE_MAINS[sys.argv[1]](sys.argv[2:]))

@@ -1,0 +1,170 @@
+"""The PS shard daemon: serves push/pull/init for the chunks placed on it.
+
+Where a message is handled: ``on_push`` validates, then applies (async), waits for the SSP bound
+(ssp) or for the round to complete (sync), and answers with the chunks' new values: the reply is
+the shard's own chunk tensors sent zero-copy, so before a chunk is mutated again the shard waits
+until libzmq has finished sending every reply that still references it (``_replies_in_flight``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from hmp.config import Config
+from hmp.errors import RequestError
+from hmp.messages import Ack, Init, Kind, Leave, Message, Params, Pull, Push
+from hmp.nodes.base import Node
+from hmp.ps.plan import ModelPlan
+from hmp.ps.shard_core import ShardCore
+from hmp.transport.endpoint import wait_sent
+
+
+def optimizer_hyper(cfg: Config) -> dict[str, Any]:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay, "nesterov": o.nesterov}
+    if o.name == "adam":
+        return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    return {"lr": o.lr, "eps": o.eps, "weight_decay": o.weight_decay}
+
+
+class PSShardNode(Node):
+    role = "ps"
+
+    def __init__(self, cfg: Config, node_id: str, resume: bool = False) -> None:
+        super().__init__(cfg, node_id)
+        plan = ModelPlan.from_config(cfg)
+        index = [s.id for s in cfg.shards].index(node_id)
+        initial = plan.initial_chunks(index)
+        self.core = ShardCore(node_id, initial, cfg.optimizer.name, optimizer_hyper(cfg), cfg.train.consistency,
+                              cfg.train.staleness)
+        self.core.live_workers = {w.id for w in cfg.workers}
+        self.core.clock = {w.id: 0 for w in cfg.workers}
+        ckdir = cfg.ps.checkpoint_dir or str(cfg.report_dir / "checkpoints")
+        self.checkpoint_path = Path(ckdir) / f"{node_id}.pt"
+        if resume:
+            if not self.checkpoint_path.exists():
+                raise RequestError(f"--resume: no checkpoint at {self.checkpoint_path}", "no_checkpoint")
+            self.core.load(self.checkpoint_path)
+            self.log.info("resumed", path=str(self.checkpoint_path), version=self.core.version)
+        self.log.info("chunks_owned", chunks=len(initial), bytes=sum(t.numel() * t.element_size() for t in initial.values()))
+        self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
+        self._round_done: asyncio.Future | None = None
+        self._replies_in_flight: list = []
+        self._last_checkpoint = 0
+        self.stats = {"pushes": 0, "pulls": 0, "rejected": 0}
+
+    def handlers(self):
+        return {**super().handlers(), Kind.PUSH: self.on_push, Kind.PULL: self.on_pull, Kind.INIT: self.on_init,
+                Kind.LEAVE: self.on_leave}
+
+    def status(self) -> dict[str, Any]:
+        st = super().status()
+        st.update(version=self.core.version, updates=self.core.updates_applied, samples=self.core.samples,
+                  chunks=len(self.core.chunks), live_workers=sorted(self.core.live_workers), **self.stats)
+        return st
+
+    async def _before_mutation(self) -> None:
+        # Replies reference the chunk tensors (zero-copy); wait until libzmq has sent them.
+        pending, self._replies_in_flight = self._replies_in_flight, []
+        for tracker in pending:
+            await wait_sent(tracker)
+
+    async def _reply(self, peer: bytes, rid: int, keys: tuple[int, ...]) -> None:
+        assert self.server is not None
+        msg = Params(sender=self.id, rid=rid, keys=keys, values=self.core.values(keys), version=self.core.version)
+        tracker = await self.server.send(peer, msg, track=True)
+        if tracker is not None and not tracker.done:
+            self._replies_in_flight.append(tracker)
+
+    async def on_push(self, msg: Push, peer: bytes) -> None:
+        try:
+            self.core.check(msg.keys, msg.grads, "push")
+        except RequestError:
+            self.stats["rejected"] += 1
+            raise
+        self.stats["pushes"] += 1
+        worker = msg.sender
+        timeout = self.cfg.limits.request_timeout_s
+        if self.core.consistency == "sync":
+            if worker not in self.core.live_workers:
+                raise RequestError(f"{worker} is not in this sync group ({sorted(self.core.live_workers)})", "bad_request")
+            if self._round_done is None or self._round_done.done():
+                self._round_done = asyncio.get_running_loop().create_future()
+            round_done = self._round_done
+            self.core.contribute(worker, msg.keys, msg.grads, msg.samples)
+            await self._maybe_finish_round()
+            try:
+                await asyncio.wait_for(asyncio.shield(round_done), timeout)
+            except TimeoutError:
+                raise RequestError(f"sync round {self.core.version} incomplete after {timeout} s; waiting for "
+                                   f"{sorted(self.core.live_workers - self.core.round_members)}", "timeout") from None
+        else:
+            if not self.core.ssp_ready(worker):
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(self._changed.wait_for(lambda: self.core.ssp_ready(worker)), timeout)
+                    except TimeoutError:
+                        raise RequestError(f"{worker} stayed more than {self.core.staleness} updates ahead for "
+                                           f"{timeout} s", "timeout") from None
+            await self._before_mutation()
+            self.core.apply(worker, msg.keys, msg.grads, msg.samples)
+            async with self._changed:
+                self._changed.notify_all()
+            self._maybe_checkpoint()
+        await self._reply(peer, msg.rid, msg.keys)
+
+    async def _maybe_finish_round(self) -> None:
+        if self.core.consistency == "sync" and self.core.round_complete():
+            await self._before_mutation()
+            self.core.finish_round()
+            if self._round_done is not None and not self._round_done.done():
+                self._round_done.set_result(self.core.version)
+            self._maybe_checkpoint()
+
+    async def on_pull(self, msg: Pull, peer: bytes) -> None:
+        self.core.check_keys(msg.keys)
+        self.stats["pulls"] += 1
+        await self._reply(peer, msg.rid, msg.keys)
+
+    async def on_init(self, msg: Init, peer: bytes) -> Message:
+        self.core.check(msg.keys, msg.values, "init")
+        await self._before_mutation()
+        self.core.set_values(msg.keys, msg.values)
+        return Ack(detail=f"{len(msg.keys)} chunks set")
+
+    async def on_leave(self, msg: Leave, peer: bytes) -> Message:
+        """A worker is done: it no longer holds back sync rounds or the SSP bound."""
+        self.core.remove_worker(msg.sender)
+        self.log.info("worker_left", worker=msg.sender)
+        await self._maybe_finish_round()
+        async with self._changed:
+            self._changed.notify_all()
+        return Ack()
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.cfg.ps.checkpoint_every
+        if every and self.core.updates_applied - self._last_checkpoint >= every:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        t0 = time.perf_counter()
+        self.core.save(self.checkpoint_path)
+        self._last_checkpoint = self.core.updates_applied
+        self.log.info("checkpoint_written", path=str(self.checkpoint_path), version=self.core.version,
+                      seconds=round(time.perf_counter() - t0, 4))
+
+    async def main(self) -> None:
+        await self.join()
+        hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
+        try:
+            await self.stopping.wait()
+        finally:
+            hb.cancel()
+            await asyncio.gather(hb, return_exceptions=True)
+            self.step = self.core.version
+            self.checkpoint()
+            await self.leave(self.failed or "stopped")

@@ -1,0 +1,200 @@
+"""The scheduler daemon: membership, heartbeats, batch-size assignments, job end and the report.
+
+Request flow: nodes ``join`` (workers are held until every PS shard has joined, so their welcome
+can list the shards), then ``heartbeat`` every interval; workers ``report`` progress and get an
+``assign`` back. A node silent for 3 heartbeat intervals is declared lost: the job fails, every
+node is told to shut down, and the scheduler exits non-zero. When every worker has finished, the
+scheduler evaluates the final parameters (pulled from the shards), writes the run report and tells
+the shards to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from hmp.client import PSClient
+from hmp.config import WORKER_ROLES, Config
+from hmp.errors import RequestError
+from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome
+from hmp.nodes.base import Node
+from hmp.report import RunReport, write_report
+from hmp.sched.batching import BatchPolicy, make_batch_policy
+
+
+@dataclasses.dataclass
+class Member:
+    id: str
+    role: str
+    address: str = ""
+    pid: int = 0
+    last_seen: float = 0.0
+    state: str = "expected"  # expected | joined | done | left | lost
+
+
+class SchedulerNode(Node):
+    role = "scheduler"
+
+    def __init__(self, cfg: Config, node_id: str) -> None:
+        super().__init__(cfg, node_id)
+        self.members = {n.id: Member(n.id, n.role) for n in cfg.nodes if n.role != "scheduler"}
+        self.shards_ready = asyncio.Event()
+        self.workers_done = asyncio.Event()
+        self.job_over = asyncio.Event()
+        self.job_failed: str | None = None
+        self.t0: float | None = None
+        self.stop_reason = ""
+        self.report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
+                                policy=cfg.train.policy)
+        self.policy: BatchPolicy = make_batch_policy(cfg)
+        self.best_accuracy = 0.0
+
+    def handlers(self):
+        return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
+                Kind.REPORT: self.on_report, Kind.LEAVE: self.on_leave}
+
+    def _member(self, msg: Message) -> Member:
+        m = self.members.get(msg.sender)
+        if m is None:
+            raise RequestError(f"{msg.sender!r} is not a node of this topology ({sorted(self.members)})", "unknown_node")
+        m.last_seen = time.monotonic()
+        return m
+
+    # ---------------------------------------------------------------- handlers
+    async def on_join(self, msg: Join, peer: bytes) -> Message:
+        m = self._member(msg)
+        if msg.role != m.role:
+            raise RequestError(f"{msg.sender} joined as {msg.role!r}; the config says {m.role!r}", "bad_role")
+        if self.job_over.is_set():
+            return Shutdown(reason=self.stop_reason or "job over")
+        m.address, m.pid, m.state = msg.address, msg.pid, "joined"
+        self.log.info("node_joined", node=m.id, node_role=m.role, address=m.address)
+        if all(self.members[s.id].state == "joined" for s in self.cfg.shards):
+            self.shards_ready.set()
+        info: dict[str, Any] = {"shards": [[s.id, self.members[s.id].address] for s in self.cfg.shards]
+                                if self.shards_ready.is_set() else []}
+        if m.role in WORKER_ROLES:
+            await asyncio.wait_for(self.shards_ready.wait(), self.cfg.job.join_timeout_s)
+            ids = [w.id for w in self.cfg.workers]
+            info = {"shards": [[s.id, self.members[s.id].address] for s in self.cfg.shards],
+                    "worker_index": ids.index(m.id), "num_workers": len(ids),
+                    "batch_size": self.policy.initial(m.id)}
+            if self.t0 is None:
+                self.t0 = time.monotonic()
+        return Welcome(heartbeat_interval_s=self.cfg.job.heartbeat_interval_s, info=info)
+
+    async def on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Message:
+        self._member(msg)
+        if self.job_over.is_set():
+            return Shutdown(reason=self.job_failed or self.stop_reason or "job over")
+        return Ack()
+
+    async def on_report(self, msg: Report, peer: bytes) -> Message:
+        m = self._member(msg)
+        now = self.elapsed()
+        self.report.add_sample(m.id, now, msg.metrics)
+        acc = msg.metrics.get("test_accuracy")
+        if acc is not None:
+            self.best_accuracy = max(self.best_accuracy, acc)
+        if msg.done:
+            m.state = "done"
+            self.report.finish_worker(m.id, msg.metrics)
+            self._check_workers_done()
+            return Assign(batch_size=0, stop=True)
+        if not self.stop_reason:
+            t = self.cfg.train
+            if t.target_accuracy and self.best_accuracy >= t.target_accuracy:
+                self.stop_reason = f"target accuracy {t.target_accuracy} reached ({self.best_accuracy:.4f})"
+            elif now > t.max_seconds:
+                self.stop_reason = f"time limit of {t.max_seconds} s reached"
+            if self.stop_reason:
+                self.log.info("stopping_workers", reason=self.stop_reason, elapsed_s=round(now, 2))
+        batch, share = self.policy.update(m.id, msg.metrics, now)
+        return Assign(batch_size=batch, data_share=share, stop=bool(self.stop_reason or self.job_failed))
+
+    async def on_leave(self, msg: Leave, peer: bytes) -> Message:
+        m = self._member(msg)
+        if m.role in WORKER_ROLES and m.state != "done":
+            self.report.finish_worker(m.id, {})
+        m.state = "left"
+        self.log.info("node_left", node=m.id, reason=msg.reason)
+        self.policy.forget(m.id)
+        self._check_workers_done()
+        return Ack()
+
+    def _check_workers_done(self) -> None:
+        if all(self.members[w.id].state in ("done", "left") for w in self.cfg.workers):
+            self.workers_done.set()
+
+    def elapsed(self) -> float:
+        return 0.0 if self.t0 is None else time.monotonic() - self.t0
+
+    def status(self) -> dict[str, Any]:
+        st = super().status()
+        st.update(elapsed_s=self.elapsed(), stop_reason=self.stop_reason, failed=self.job_failed or "",
+                  members={m.id: m.state for m in self.members.values()},
+                  workers=self.report.latest(), best_accuracy=self.best_accuracy)
+        return st
+
+    # ---------------------------------------------------------------- loops
+    async def monitor(self) -> None:
+        """Declare nodes lost after 3 silent heartbeat intervals; fail the job if one is."""
+        interval = self.cfg.job.heartbeat_interval_s
+        deadline = time.monotonic() + self.cfg.job.join_timeout_s
+        while not self.job_over.is_set():
+            now = time.monotonic()
+            for m in self.members.values():
+                if m.state in ("joined", "done") and now - m.last_seen > 3 * interval:
+                    m.state = "lost"
+                    self.job_failed = f"node {m.id} ({m.role}) lost: silent for {now - m.last_seen:.1f} s"
+                    self.log.error("node_lost", node=m.id, silent_s=round(now - m.last_seen, 2))
+                if m.state == "expected" and now > deadline:
+                    self.job_failed = f"node {m.id} ({m.role}) did not join within {self.cfg.job.join_timeout_s} s"
+                    self.log.error("node_missing", node=m.id)
+            if self.job_failed:
+                return
+            await asyncio.sleep(interval / 2)
+
+    async def main(self) -> None:
+        monitor = asyncio.create_task(self.monitor(), name="monitor")
+        done = asyncio.create_task(self.workers_done.wait())
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait({monitor, done, stop}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (monitor, done, stop):
+            t.cancel()
+        await asyncio.gather(monitor, done, stop, return_exceptions=True)
+        if self.job_failed:
+            self.failed = self.job_failed
+        elif not self.workers_done.is_set():
+            self.job_failed = "scheduler stopped before the job finished"
+            self.failed = self.job_failed
+        else:
+            await self.finish()
+        self.job_over.set()
+        await self.drain()
+
+    async def finish(self) -> None:
+        """Evaluate the final parameters, write the report."""
+        try:
+            shards = [(s.id, self.members[s.id].address) for s in self.cfg.shards]
+            async with PSClient.from_config(self.cfg, shards, name=self.id) as ps:
+                await ps.pull()
+                final = ps.evaluate()
+        except Exception as exc:
+            self.log.exception("final_evaluation_failed")
+            final = {"error": f"{exc.__class__.__name__}: {exc}"}
+        self.report.final = {**final, "elapsed_s": self.elapsed(), "stop_reason": self.stop_reason or "epochs done"}
+        paths = write_report(self.report, self.cfg.report_dir)
+        self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
+                      report=str(paths[0]))
+
+    async def drain(self) -> None:
+        """Let every live node hear 'shutdown' through its heartbeat, then stop (bounded)."""
+        deadline = time.monotonic() + 3 * self.cfg.job.heartbeat_interval_s + 5.0
+        while time.monotonic() < deadline:
+            live = [m for m in self.members.values() if m.state in ("joined", "done")]
+            if not live:
+                break
+            await asyncio.sleep(0.05)

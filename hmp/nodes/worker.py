@@ -1,0 +1,137 @@
+"""CPU and GPU worker daemons: one training loop, differing in device, batch size and threads.
+
+Per step: take a batch of this worker's data shard, forward and backward (gradients land in the flat
+gradient buffer), push to the shards, and continue with the new values their replies carry.
+Every ``report_interval_s`` the worker reports progress to the scheduler and gets its batch size
+(and whether to stop) back. Worker 0 also measures test accuracy every ``eval_every_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from hmp.client import PSClient, evaluate
+from hmp.config import Config
+from hmp.data import load_dataset_from_config
+from hmp.errors import HmpError
+from hmp.messages import Assign, Report
+from hmp.nodes.base import Node
+from hmp.ps.plan import ModelPlan
+
+
+def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
+    """The worker's device; a GPU worker without CUDA fails unless its config says device = "cpu"."""
+    name = requested or ("cuda" if role == "gpu_worker" else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise HmpError(f"{role} {node_id}: CUDA is not available on this machine; set device = \"cpu\" in its "
+                       f"[[nodes]] entry to run it on the CPU")
+    return torch.device(name)
+
+
+class WorkerNode(Node):
+    def __init__(self, cfg: Config, node_id: str) -> None:
+        super().__init__(cfg, node_id)
+        torch.set_num_threads(self.node.threads)
+        self.device = resolve_device(self.node.role, self.node.device, node_id)
+        if self.node.role == "gpu_worker" and self.device.type == "cpu":
+            self.log.info("gpu_worker_on_cpu", reason="config says device = \"cpu\"")
+        self.batch_size = self.node.batch_size or cfg.train.batch_size
+        self.stop_requested = False
+        self.metrics: dict[str, float] = {"samples": 0, "updates": 0, "loss": float("nan"), "epoch": 0}
+        self.busy_s = 0.0
+        self.t_train0 = 0.0
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
+
+    async def main(self) -> None:
+        welcome = await self.join()
+        hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
+        info = welcome.info
+        self.batch_size = int(info.get("batch_size") or self.batch_size)
+        plan = ModelPlan.from_config(self.cfg, self.device)
+        ps = PSClient(plan, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
+                      timeout_s=self.cfg.limits.request_timeout_s)
+        await ps.connect()
+        try:
+            await ps.pull()
+            data = load_dataset_from_config(self.cfg)
+            await self.train(ps, data, int(info["worker_index"]), int(info["num_workers"]))
+        finally:
+            await self.send_report(ps, done=True)
+            await ps.leave(self.failed or "done")
+            await ps.close()
+            hb.cancel()
+            await asyncio.gather(hb, return_exceptions=True)
+            await self.leave(self.failed or "done")
+
+    def current_metrics(self, ps: PSClient) -> dict[str, float]:
+        wall = max(1e-9, time.monotonic() - self.t_train0)
+        return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
+                "batch_size": float(self.batch_size), "bytes_out": float(ps.bytes_out),
+                "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
+
+    async def send_report(self, ps: PSClient, done: bool = False) -> None:
+        assert self.scheduler is not None
+        try:
+            reply = await self.scheduler.request(Report(metrics=self.current_metrics(ps), done=done), timeout_s=10)
+        except HmpError as exc:
+            self.log.warning("report_failed", error=str(exc))
+            return
+        if isinstance(reply, Assign):
+            if reply.stop:
+                self.stop_requested = True
+            elif reply.batch_size > 0 and reply.batch_size != self.batch_size:
+                self.log.info("batch_size_changed", old=self.batch_size, new=reply.batch_size)
+                self.batch_size = reply.batch_size
+
+    async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:
+        model = ps.model
+        x_all, y_all = data.x_train, data.y_train
+        n = len(y_all)
+        lo, hi = n * index // count, n * (index + 1) // count
+        x, y = x_all[lo:hi], y_all[lo:hi]  # this worker's shard (views)
+        if self.device.type != "cpu":
+            x, y = x.to(self.device), y.to(self.device)
+        t = self.cfg.train
+        gen = torch.Generator().manual_seed(self.cfg.data.seed * 1000 + index)
+        self.t_train0 = time.monotonic()
+        next_report = self.t_train0 + t.report_interval_s
+        next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
+        self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device))
+        ema = None
+        for epoch in range(t.epochs):
+            self.metrics["epoch"] = epoch
+            order = torch.randperm(len(y), generator=gen)
+            pos = 0
+            while pos < len(order):
+                if self.stopping.is_set() or self.stop_requested:
+                    return
+                idx = order[pos:pos + self.batch_size]
+                pos += len(idx)
+                t0 = time.perf_counter()
+                model.zero_grad(set_to_none=False)  # keep .grad as views of the flat buffer
+                out = model(x[idx])
+                loss = F.cross_entropy(out, y[idx])
+                loss.backward()
+                lv = loss.item()
+                self.busy_s += time.perf_counter() - t0
+                await ps.push(samples=len(idx))
+                self.step += 1
+                ema = lv if ema is None else 0.9 * ema + 0.1 * lv
+                self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
+                now = time.monotonic()
+                if now >= next_eval:
+                    self.metrics.update(evaluate(model, data.x_test, data.y_test))
+                    next_eval = now + t.eval_every_s
+                if now >= next_report:
+                    await self.send_report(ps)
+                    next_report = now + t.report_interval_s
+        self.metrics["epoch"] = t.epochs
+        if index == 0:
+            self.metrics.update(evaluate(model, data.x_test, data.y_test))

@@ -1,0 +1,52 @@
+"""The model's parameter plan, identical on every node: layout, chunks and their shards.
+
+Every node builds the model from the config with the same seed, lays its parameters out in flat
+buffers and places the chunks with the same deterministic greedy placement, so no node needs to
+be told where a chunk lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from hmp.config import Config
+from hmp.models import build_model
+from hmp.ps.layout import Chunk, FlatLayout, chunk_views, place_chunks, placement_report
+
+
+@dataclasses.dataclass
+class ModelPlan:
+    model: nn.Module
+    layout: FlatLayout
+    placement: dict[int, list[int]]  # shard index -> chunk keys
+
+    @classmethod
+    def from_config(cls, cfg: Config, device: str | torch.device = "cpu") -> ModelPlan:
+        torch.manual_seed(cfg.model.seed)
+        model = build_model(cfg.model.name, **cfg.model.args)
+        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes)
+        model.to(device)
+        layout.bind(model)
+        placement = place_chunks(layout.chunks, len(cfg.shards))
+        return cls(model, layout, placement)
+
+    @property
+    def chunks(self) -> dict[int, Chunk]:
+        return {c.key: c for c in self.layout.chunks}
+
+    def initial_chunks(self, shard_index: int) -> dict[int, torch.Tensor]:
+        views = self.param_views()
+        return {k: views[k].detach().cpu() for k in self.placement[shard_index]}
+
+    def param_views(self) -> dict[int, torch.Tensor]:
+        return dict(zip((c.key for c in self.layout.chunks), chunk_views(self.layout.params, self.layout.chunks)))
+
+    def grad_views(self) -> dict[int, torch.Tensor]:
+        return dict(zip((c.key for c in self.layout.chunks), chunk_views(self.layout.grads, self.layout.chunks)))
+
+    def report(self) -> dict[str, Any]:
+        return placement_report(self.layout.chunks, self.placement)

@@ -1,0 +1,83 @@
+"""The run report: per-worker progress over time, final figures, JSON plus a PNG plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class RunReport:
+    """Collected by the scheduler from workers' reports. Times are seconds since training began."""
+
+    job: str
+    config: str
+    consistency: str
+    policy: str
+    workers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    final: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def _worker(self, worker_id: str) -> dict[str, Any]:
+        return self.workers.setdefault(worker_id, {"series": [], "final": {}})
+
+    def add_sample(self, worker_id: str, t: float, metrics: dict[str, float]) -> None:
+        self._worker(worker_id)["series"].append({"t": round(t, 4), **metrics})
+
+    def finish_worker(self, worker_id: str, metrics: dict[str, float]) -> None:
+        self._worker(worker_id)["final"] = dict(metrics)
+
+    def latest(self) -> dict[str, dict[str, float]]:
+        return {w: (d["series"][-1] if d["series"] else {}) for w, d in self.workers.items()}
+
+    def summary(self) -> dict[str, Any]:
+        total_updates = sum(d["final"].get("updates", 0) for d in self.workers.values()) or 1
+        out = {}
+        for w, d in self.workers.items():
+            f = d["final"] or (d["series"][-1] if d["series"] else {})
+            out[w] = {"updates": f.get("updates", 0), "samples": f.get("samples", 0),
+                      "samples_per_s": f.get("samples_per_s", 0.0), "bytes_out": f.get("bytes_out", 0),
+                      "bytes_in": f.get("bytes_in", 0), "busy_fraction": f.get("busy_fraction", 0.0),
+                      "update_share": f.get("updates", 0) / total_updates, "batch_size": f.get("batch_size", 0)}
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
+                "final": self.final, "workers": self.summary(),
+                "series": {w: d["series"] for w, d in self.workers.items()}}
+
+
+def plot_loss(series: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+    """PNG of loss against wall time, one line per worker (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for name, points in series.items():
+        pts = [(p["t"], p["loss"]) for p in points if "loss" in p]
+        if pts:
+            ax.plot(*zip(*pts), label=name)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(report: RunReport, out_dir: Path) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``loss.png`` into ``out_dir`` (created); returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = report.to_json()
+    jpath, ppath = out_dir / "report.json", out_dir / "loss.png"
+    tmp = jpath.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(jpath)
+    plot_loss(data["series"], ppath, f"{report.job}: loss against time ({report.consistency}, {report.policy})")
+    return jpath, ppath

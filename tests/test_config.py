@@ -1,0 +1,107 @@
+"""Config loading: frozen dataclasses, and errors that name the file, the key and what was expected."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hmp.config import env_overrides, load, loads, reference
+from hmp.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GOOD = """
+[train]
+consistency = "sync"
+[[nodes]]
+id = "s"
+role = "scheduler"
+bind = "tcp://127.0.0.1:5999"
+[[nodes]]
+id = "p"
+role = "ps"
+[[nodes]]
+id = "w"
+role = "cpu_worker"
+"""
+
+
+def test_shipped_configs_load():
+    """Every config in conf/ loads and has the roles a job needs."""
+    for path in sorted((ROOT / "conf").glob("*.toml")):
+        cfg = load(path)
+        assert cfg.scheduler and cfg.shards and cfg.workers, path
+
+
+def test_local_default_topology():
+    """conf/local.toml is 1 scheduler, 2 PS shards, 1 CPU worker and 1 GPU worker on the CPU."""
+    cfg = load(ROOT / "conf/local.toml")
+    roles = sorted(n.role for n in cfg.nodes)
+    assert roles == ["cpu_worker", "gpu_worker", "ps", "ps", "scheduler"]
+    assert cfg.by_role("gpu_worker")[0].device == "cpu"
+
+
+def test_config_is_frozen_and_typed():
+    """Loaded config is immutable and ints given for floats become floats."""
+    cfg = loads(GOOD, "x.toml")
+    assert cfg.train.consistency == "sync"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.epochs = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("patch", "key", "expected"),
+    [
+        (("[train]", "[train]\nepoch = 3"), "train.epoch", "unknown key"),
+        (("[train]", "[train]\nepochs = \"many\""), "train.epochs", "expected an integer"),
+        (('consistency = "sync"', 'consistency = "eventual"'), "train.consistency", "one of"),
+        (('id = "p"', 'id = "s"'), "nodes[1].id", "unique id"),
+        (('role = "ps"', 'role = "pserver"'), "nodes[1].role", "one of"),
+        (('[[nodes]]\nid = "p"\nrole = "ps"\n', ""), "nodes", "at least one node with role 'ps'"),
+        (("[train]", "[trainer]"), "trainer", "unknown section"),
+        (("[train]", "[train]\nbatch_size = 0"), "train.batch_size", ">= 1"),
+        (('bind = "tcp://127.0.0.1:5999"', 'bind = "http://x"'), "nodes[0].bind", "tcp://"),
+    ],
+)
+def test_config_errors_name_file_key_and_expectation(patch, key, expected):
+    """Each bad config is refused with the file name, the offending key and what was expected."""
+    text = GOOD.replace(*patch, 1)
+    with pytest.raises(ConfigError) as info:
+        loads(text, "bad.toml")
+    assert info.value.path == "bad.toml" and info.value.key == key
+    assert expected in str(info.value) and "bad.toml" in str(info.value)
+
+
+def test_duplicate_bind_address_is_an_error():
+    """Two nodes binding the same fixed address are refused."""
+    text = GOOD.replace('id = "p"\nrole = "ps"', 'id = "p"\nrole = "ps"\nbind = "tcp://127.0.0.1:5999"')
+    with pytest.raises(ConfigError, match="unique address"):
+        loads(text, "dup.toml")
+
+
+def test_unreadable_file_and_bad_toml(tmp_path):
+    """A missing file and invalid TOML are config errors naming the file."""
+    with pytest.raises(ConfigError, match="nope.toml"):
+        load(tmp_path / "nope.toml")
+    p = tmp_path / "broken.toml"
+    p.write_text("[train\n")
+    with pytest.raises(ConfigError, match="broken.toml.*valid TOML"):
+        load(p)
+
+
+def test_env_overrides_are_typed():
+    """HMP_* overrides replace their keys and a bad value names the variable."""
+    cfg = loads(GOOD, "x.toml")
+    assert env_overrides(cfg, {"HMP_MAX_SECONDS": "12"}).train.max_seconds == 12.0
+    with pytest.raises(ConfigError, match="HMP_MAX_SECONDS"):
+        env_overrides(cfg, {"HMP_MAX_SECONDS": "soon"})
+
+
+def test_reference_lists_every_section():
+    """The generated config reference documents every section and key."""
+    ref = reference()
+    for section in ("[job]", "[model]", "[data]", "[optimizer]", "[train]", "[ps]", "[limits]", "[[nodes]]"):
+        assert section in ref
+    assert "`consistency`" in ref and "`chunk_bytes`" in ref

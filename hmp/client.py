@@ -114,7 +114,7 @@ class PSClient:
     def evaluate(self, dataset: Any = None) -> dict[str, float]:
         """Test accuracy and loss of the current parameters on ``dataset`` (default: the config's)."""
         if dataset is None:
-            from hmp.data import load_dataset_from_config
+            from hmp.jobdata import load_dataset_from_config
 
             assert self.cfg is not None
             dataset = load_dataset_from_config(self.cfg)

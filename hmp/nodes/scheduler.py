@@ -19,7 +19,9 @@ from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config
 from hmp.errors import RequestError
 from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome
+from hmp.jobdata import load_dataset_from_config
 from hmp.nodes.base import Node
+from hmp.ps.plan import ModelPlan
 from hmp.report import RunReport, write_report
 from hmp.sched.batching import BatchPolicy, make_batch_policy
 
@@ -50,6 +52,11 @@ class SchedulerNode(Node):
                                 policy=cfg.train.policy)
         self.policy: BatchPolicy = make_batch_policy(cfg)
         self.best_accuracy = 0.0
+        plan = ModelPlan.from_config(cfg)
+        self.report.placement = plan.report().as_dict()
+        # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
+        self.dataset = load_dataset_from_config(cfg)
+        self.log.info("chunk_placement", **{k: v for k, v in self.report.placement.items() if not isinstance(v, list)})
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
@@ -181,12 +188,13 @@ class SchedulerNode(Node):
             shards = [(s.id, self.members[s.id].address) for s in self.cfg.shards]
             async with PSClient.from_config(self.cfg, shards, name=self.id) as ps:
                 await ps.pull()
-                final = ps.evaluate()
+                # In a thread: the event loop keeps answering heartbeats meanwhile.
+                final = await asyncio.to_thread(ps.evaluate, self.dataset)
         except Exception as exc:
             self.log.exception("final_evaluation_failed")
             final = {"error": f"{exc.__class__.__name__}: {exc}"}
         self.report.final = {**final, "elapsed_s": self.elapsed(), "stop_reason": self.stop_reason or "epochs done"}
-        paths = write_report(self.report, self.cfg.report_dir)
+        paths = await asyncio.to_thread(write_report, self.report, self.cfg.report_dir)
         self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
                       report=str(paths[0]))
 

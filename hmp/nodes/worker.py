@@ -17,7 +17,8 @@ from torch.nn import functional as F
 
 from hmp.client import PSClient, evaluate
 from hmp.config import Config
-from hmp.data import load_dataset_from_config
+from hmp.data import shard
+from hmp.jobdata import load_dataset_from_config
 from hmp.errors import HmpError
 from hmp.messages import Assign, Report
 from hmp.nodes.base import Node
@@ -50,17 +51,19 @@ class WorkerNode(Node):
         return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
 
     async def main(self) -> None:
+        # Blocking set-up (imports, data, model) happens before joining: once joined, the
+        # scheduler expects heartbeats.
+        data = load_dataset_from_config(self.cfg)
+        plan = ModelPlan.from_config(self.cfg, self.device)
         welcome = await self.join()
         hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
         info = welcome.info
         self.batch_size = int(info.get("batch_size") or self.batch_size)
-        plan = ModelPlan.from_config(self.cfg, self.device)
         ps = PSClient(plan, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
                       timeout_s=self.cfg.limits.request_timeout_s)
         await ps.connect()
         try:
             await ps.pull()
-            data = load_dataset_from_config(self.cfg)
             await self.train(ps, data, int(info["worker_index"]), int(info["num_workers"]))
         finally:
             await self.send_report(ps, done=True)
@@ -92,10 +95,7 @@ class WorkerNode(Node):
 
     async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:
         model = ps.model
-        x_all, y_all = data.x_train, data.y_train
-        n = len(y_all)
-        lo, hi = n * index // count, n * (index + 1) // count
-        x, y = x_all[lo:hi], y_all[lo:hi]  # this worker's shard (views)
+        x, y = shard(data.x_train, data.y_train, index, count)  # this worker's slice (views)
         if self.device.type != "cpu":
             x, y = x.to(self.device), y.to(self.device)
         t = self.cfg.train
@@ -115,7 +115,7 @@ class WorkerNode(Node):
                 idx = order[pos:pos + self.batch_size]
                 pos += len(idx)
                 t0 = time.perf_counter()
-                model.zero_grad(set_to_none=False)  # keep .grad as views of the flat buffer
+                ps.plan.flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
                 out = model(x[idx])
                 loss = F.cross_entropy(out, y[idx])
                 loss.backward()

@@ -15,13 +15,14 @@ from torch import nn
 
 from hmp.config import Config
 from hmp.models import build_model
-from hmp.ps.layout import Chunk, FlatLayout, chunk_views, place_chunks, placement_report
+from hmp.ps.layout import Chunk, FlatBuffers, FlatLayout, chunk_views, place_chunks, placement_report
 
 
 @dataclasses.dataclass
 class ModelPlan:
     model: nn.Module
     layout: FlatLayout
+    flat: FlatBuffers  # the model's parameters and gradients live here
     placement: dict[int, list[int]]  # shard index -> chunk keys
 
     @classmethod
@@ -30,9 +31,9 @@ class ModelPlan:
         model = build_model(cfg.model.name, **cfg.model.args)
         layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes)
         model.to(device)
-        layout.bind(model)
+        flat = layout.bind(model)
         placement = place_chunks(layout.chunks, len(cfg.shards))
-        return cls(model, layout, placement)
+        return cls(model, layout, flat, placement)
 
     @property
     def chunks(self) -> dict[int, Chunk]:
@@ -43,10 +44,12 @@ class ModelPlan:
         return {k: views[k].detach().cpu() for k in self.placement[shard_index]}
 
     def param_views(self) -> dict[int, torch.Tensor]:
-        return dict(zip((c.key for c in self.layout.chunks), chunk_views(self.layout.params, self.layout.chunks)))
+        """``{chunk key: 1-D view}`` into the flat parameter buffers (no copies)."""
+        return chunk_views(self.flat.params, self.layout.chunks)
 
     def grad_views(self) -> dict[int, torch.Tensor]:
-        return dict(zip((c.key for c in self.layout.chunks), chunk_views(self.layout.grads, self.layout.chunks)))
+        """``{chunk key: 1-D view}`` into the flat gradient buffers (no copies)."""
+        return chunk_views(self.flat.grads, self.layout.chunks)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> Any:
         return placement_report(self.layout.chunks, self.placement)

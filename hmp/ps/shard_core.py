@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hmp.errors import RequestError
-from hmp.kernels.optim import make_chunk_optimizer
+from hmp.kernels.optim import accumulate, make_chunk_optimizer, scale_
 
 
 @dataclasses.dataclass
@@ -125,10 +125,8 @@ class ShardCore:
             c = self.chunks[k]
             if c.agg is None:
                 c.agg = torch.empty_like(c.param)
-            if c.contributors == 0:
-                c.agg.copy_(g)  # first arrival: copy (the receive frame is released after this request)
-            else:
-                c.agg.add_(g)  # later arrivals: add in place
+            # First arrival copied (its receive frame is released after this request), later added in place.
+            accumulate(c.agg, g, first=c.contributors == 0)
             c.contributors += 1
         self.samples += samples
 
@@ -140,7 +138,7 @@ class ShardCore:
         for c in self.chunks.values():
             if c.contributors:
                 if c.contributors > 1:
-                    c.agg.mul_(1.0 / c.contributors)
+                    scale_(c.agg, 1.0 / c.contributors)
                 c.optimizer.step(c.param, c.agg)
                 c.contributors = 0
         self.round_members.clear()

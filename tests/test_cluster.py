@@ -1,0 +1,103 @@
+"""Real daemons as real processes on loopback: the digits job end to end, failures, bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hmp.cluster import JobFailed, LocalCluster
+from hmp.config import load
+from hmp.errors import RemoteError
+from hmp.messages import Push, Tensors
+from hmp.transport.endpoint import Client
+
+from .cluster_util import write_config
+
+pytestmark = pytest.mark.cluster
+BIN = os.path.join(os.path.dirname(sys.executable), "hmp-launch")
+
+
+def test_digits_job_through_hmp_launch(tmp_path):
+    """bin/hmp-launch trains the digits MLP across 5 daemons to >= 95% and writes the report and plot."""
+    cfg = write_config(tmp_path)
+    proc = subprocess.run([BIN, str(cfg)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "final test accuracy" in proc.stdout
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["final"]["test_accuracy"] >= 0.95
+    assert set(report["workers"]) == {"cpu0", "gpu0"}
+    for w in report["workers"].values():
+        assert w["updates"] > 0 and w["samples_per_s"] > 0 and w["bytes_out"] > 0
+    assert report["series"]["cpu0"] and "loss" in report["series"]["cpu0"][0]
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("consistency", ["sync", "ssp"])
+async def test_consistency_modes_train_through_the_api(tmp_path, consistency):
+    """The Python API runs the job in sync and ssp mode and reaches the accuracy target."""
+    cfg = write_config(tmp_path, consistency=consistency, target=0.93, extra_train="staleness = 2")
+    async with LocalCluster(cfg) as cluster:
+        report = await cluster.train(timeout_s=200)
+    assert report["consistency"] == consistency
+    assert report["final"]["test_accuracy"] >= 0.93
+    assert all(p.returncode == 0 for p in cluster.procs.values())
+
+
+async def test_killed_daemon_stops_the_job(tmp_path):
+    """A PS shard killed mid-job makes train() fail naming it, and no daemon outlives the cluster."""
+    cfg = write_config(tmp_path, target=1.0, epochs=1000, max_seconds=120)
+    cluster = LocalCluster(cfg, grace_s=5)
+    async with cluster:
+        for _ in range(200):
+            st = await cluster.status()
+            if st and any(w.get("updates", 0) > 5 for w in st.get("workers", {}).values()):
+                break
+            await asyncio.sleep(0.1)
+        cluster.kill("ps1")
+        with pytest.raises(JobFailed) as info:
+            await cluster.train(timeout_s=60)
+        assert info.value.node in {"ps1", "cpu0", "gpu0", "scheduler"}
+    assert all(p.returncode is not None for p in cluster.procs.values())
+
+
+async def test_bad_requests_to_a_live_shard_get_errors_while_training_goes_on(tmp_path):
+    """Wrong dtype, wrong shape, unknown key and unknown op sent to a live shard get error replies; the job still finishes."""
+    cfg_path = write_config(tmp_path, fixed_ps_ports=True, target=0.95)
+    cfg = load(cfg_path)
+    async with LocalCluster(cfg) as cluster:
+        async with Client(cfg.node("ps0").bind, name="intruder", timeout_s=10) as c:
+            for _ in range(100):
+                try:
+                    await c.request(Tensors(name="x", tensors=()), timeout_s=0.5)
+                except RemoteError as exc:
+                    if exc.code == "unknown_op":
+                        break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            bad = [
+                (Push(keys=(0,), grads=(torch.zeros(4096, dtype=torch.float64),)), {"bad_dtype", "unknown_key"}),
+                (Push(keys=(0,), grads=(torch.zeros(3),)), {"bad_shape", "unknown_key"}),
+                (Push(keys=(99999,), grads=(torch.zeros(3),)), {"unknown_key"}),
+                (Tensors(name="x", tensors=()), {"unknown_op"}),
+            ]
+            for msg, codes in bad:
+                with pytest.raises(RemoteError) as info:
+                    await c.request(msg)
+                assert info.value.code in codes
+        report = await cluster.train(timeout_s=200)
+    assert report["final"]["test_accuracy"] >= 0.95
+
+
+def test_config_error_names_the_key(tmp_path):
+    """hmp-launch with a bad key exits 2 and names the file and the key."""
+    cfg = write_config(tmp_path)
+    cfg.write_text(cfg.read_text().replace("[train]", "[train]\nlearning_rate = 0.1"))
+    proc = subprocess.run([BIN, str(cfg)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "train.learning_rate" in proc.stderr and str(cfg) in proc.stderr

@@ -101,3 +101,42 @@ def test_config_error_names_the_key(tmp_path):
     proc = subprocess.run([BIN, str(cfg)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "train.learning_rate" in proc.stderr and str(cfg) in proc.stderr
+
+
+async def test_checkpoint_then_resume_gives_the_same_parameters(tmp_path):
+    """Shards checkpoint at shutdown; shards restarted with --resume serve exactly the checkpointed parameters,
+    which score the job's final accuracy again; SIGTERM stops every daemon with exit code 0."""
+    from hmp.client import PSClient
+
+    cfg_path = write_config(tmp_path, fixed_ps_ports=True, target=0.9, checkpoint_every=50)
+    cfg = load(cfg_path)
+    async with LocalCluster(cfg) as cluster:
+        report = await cluster.train(timeout_s=200)
+    saved = {s: torch.load(tmp_path / "ckpt" / f"{s}.pt", weights_only=True) for s in ("ps0", "ps1")}
+    assert all(state["version"] > 0 for state in saved.values())
+
+    procs = []
+    try:
+        for role, nid in (("scheduler", "scheduler"), ("ps", "ps0"), ("ps", "ps1")):
+            cmd = [sys.executable, "-m", "hmp.nodes.main", role, "--config", str(cfg_path), "--id", nid]
+            procs.append(subprocess.Popen(cmd + (["--resume"] if role == "ps" else []),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        ps = PSClient.from_config(cfg, [(s.id, s.bind) for s in cfg.shards], name="checker")
+        async with ps:
+            for _ in range(100):
+                try:
+                    await ps.pull()
+                    break
+                except Exception:
+                    await asyncio.sleep(0.2)
+            views = ps.plan.param_views()
+            for i, sid in enumerate(("ps0", "ps1")):
+                for key in ps.plan.placement[i]:
+                    assert torch.equal(views[key], saved[sid]["params"][key])
+            final = ps.evaluate()
+        assert final["test_accuracy"] == pytest.approx(report["final"]["test_accuracy"])
+    finally:
+        for p in procs:
+            p.terminate()
+        codes = [p.wait(timeout=30) for p in procs]
+    assert codes == [0, 0, 0], [p.stderr.read()[-2000:] for p in procs]

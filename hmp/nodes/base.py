@@ -76,19 +76,27 @@ class Node:
         assert self.server is not None
         return self.node.advertise or self.server.address
 
-    async def join(self) -> Welcome:
-        """Join the scheduler (retrying while it starts) and return its welcome."""
+    async def join(self) -> Welcome | None:
+        """Join the scheduler (retrying while it starts) and return its welcome; None if stopped meanwhile."""
         sched = self.cfg.scheduler
         self.scheduler = self.client(sched.advertise or sched.bind)
         await self.scheduler.connect()
         deadline = time.monotonic() + self.cfg.job.join_timeout_s
         while True:
+            request = asyncio.create_task(self.scheduler.request(
+                Join(role=self.node.role, address=self.advertised, pid=os.getpid()),
+                timeout_s=min(5.0, self.cfg.job.join_timeout_s)))
+            stop = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait({request, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not request.done():  # a signal arrived while joining: a graceful stop
+                request.cancel()
+                await asyncio.gather(request, stop, return_exceptions=True)
+                return None
             try:
-                reply = await self.scheduler.request(
-                    Join(role=self.node.role, address=self.advertised, pid=os.getpid()),
-                    timeout_s=min(5.0, self.cfg.job.join_timeout_s))
+                reply = request.result()
             except RequestTimeout:
-                if time.monotonic() > deadline or self.stopping.is_set():
+                if time.monotonic() > deadline:
                     raise
                 continue
             if isinstance(reply, Shutdown):

@@ -158,7 +158,8 @@ class PSShardNode(Node):
                       seconds=round(time.perf_counter() - t0, 4))
 
     async def main(self) -> None:
-        await self.join()
+        if await self.join() is None:
+            return
         hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
         try:
             await self.stopping.wait()

@@ -175,8 +175,10 @@ class SchedulerNode(Node):
         if self.job_failed:
             self.failed = self.job_failed
         elif not self.workers_done.is_set():
-            self.job_failed = "scheduler stopped before the job finished"
-            self.failed = self.job_failed
+            # Stopped by a signal or a shutdown request: a graceful stop, not a failure (exit 0),
+            # but every node is told the job is over.
+            self.stop_reason = "scheduler stopped before the job finished"
+            self.log.info("job_interrupted")
         else:
             await self.finish()
         self.job_over.set()

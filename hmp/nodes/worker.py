@@ -56,6 +56,8 @@ class WorkerNode(Node):
         data = load_dataset_from_config(self.cfg)
         plan = ModelPlan.from_config(self.cfg, self.device)
         welcome = await self.join()
+        if welcome is None:
+            return
         hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
         info = welcome.info
         self.batch_size = int(info.get("batch_size") or self.batch_size)

@@ -49,7 +49,7 @@ class ShardCore:
         self.staleness = staleness
         self.optimizer_name, self.hyper = optimizer, dict(hyper)
         self.chunks = {k: ChunkState(k, v.detach().clone().reshape(-1),
-                                     make_chunk_optimizer(optimizer, v.numel(), **hyper))
+                                     make_chunk_optimizer(optimizer, v.numel(), dtype=v.dtype, **hyper))
                        for k, v in chunks.items()}
         self.version = 0
         self.updates_applied = 0  # pushes applied (async/ssp) or rounds completed (sync)

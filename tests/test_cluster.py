@@ -90,6 +90,14 @@ async def test_bad_requests_to_a_live_shard_get_errors_while_training_goes_on(tm
                 with pytest.raises(RemoteError) as info:
                     await c.request(msg)
                 assert info.value.code in codes
+        # A well-formed push from an API client is applied alongside the workers' pushes.
+        from hmp.client import PSClient
+
+        async with PSClient.from_config(cfg, [(s.id, s.bind) for s in cfg.shards], name="api") as ps:
+            await ps.pull()
+            before = ps.version
+            ps.plan.flat.zero_grad()
+            assert await ps.push(samples=1) > before
         report = await cluster.train(timeout_s=200)
     assert report["final"]["test_accuracy"] >= 0.95
 

@@ -83,6 +83,7 @@ class TrainConfig:
     report_interval_s: float = _field(0.5, "how often workers report to the scheduler (seconds)")
     policy: str = _field("static", "batch sizing: static | sync | hogbatch | adaptive")
     policy_args: dict = _field({}, "policy knobs (see docs/hogbatch.md)")
+    work_unit_batches: int = _field(4, "hogbatch/adaptive: batches per first-come-first-served work unit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +261,12 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     if t.consistency not in CONSISTENCY:
         raise ConfigError(p, "train.consistency", f"one of {list(CONSISTENCY)}, got {t.consistency!r}")
+    if t.policy not in ("static", "sync", "hogbatch", "adaptive"):
+        raise ConfigError(p, "train.policy", f"one of ['static', 'sync', 'hogbatch', 'adaptive'], got {t.policy!r}")
+    if t.policy == "sync" and t.consistency != "sync":
+        raise ConfigError(p, "train.consistency", "\"sync\" when train.policy is \"sync\" (bulk-synchronous SGD)")
+    if t.work_unit_batches < 1:
+        raise ConfigError(p, "train.work_unit_batches", "an integer >= 1")
     if t.staleness < 0:
         raise ConfigError(p, "train.staleness", "an integer >= 0")
     if t.batch_size < 1:

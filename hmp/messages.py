@@ -37,6 +37,7 @@ class Kind(enum.Enum):
     REPORT = "report"
     ASSIGN = "assign"
     STATUS = "status"
+    WORK = "work"
     # data
     INIT = "init"
     PUSH = "push"
@@ -50,7 +51,7 @@ class Kind(enum.Enum):
 
 
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
-                      Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS})
+                      Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -206,6 +207,17 @@ class Status(Message):
     """A request for a node's state (empty ``state``) or its answer (``state`` filled)."""
 
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@message(Kind.WORK)
+class Work(Message):
+    """First-come-first-served data: a worker asks for ``count`` examples; the scheduler answers
+    with the range ``[start, start + count)`` of epoch ``epoch``'s shuffled order (``count`` 0:
+    the epochs are used up)."""
+
+    count: int
+    epoch: int = 0
+    start: int = 0
 
 
 # ----------------------------------------------------------------------------- data kinds

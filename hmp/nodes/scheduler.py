@@ -18,7 +18,7 @@ from typing import Any
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config
 from hmp.errors import RequestError
-from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome
+from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome, Work
 from hmp.jobdata import load_dataset_from_config
 from hmp.nodes.base import Node
 from hmp.ps.plan import ModelPlan
@@ -56,11 +56,14 @@ class SchedulerNode(Node):
         self.report.placement = plan.report().as_dict()
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         self.dataset = load_dataset_from_config(cfg)
+        # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
+        self.work_epoch, self.work_cursor = 0, 0
+        self.work_taken: dict[str, int] = {}
         self.log.info("chunk_placement", **{k: v for k, v in self.report.placement.items() if not isinstance(v, list)})
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
-                Kind.REPORT: self.on_report, Kind.LEAVE: self.on_leave}
+                Kind.REPORT: self.on_report, Kind.LEAVE: self.on_leave, Kind.WORK: self.on_work}
 
     def _member(self, msg: Message) -> Member:
         m = self.members.get(msg.sender)
@@ -120,6 +123,22 @@ class SchedulerNode(Node):
                 self.log.info("stopping_workers", reason=self.stop_reason, elapsed_s=round(now, 2))
         batch, share = self.policy.update(m.id, msg.metrics, now)
         return Assign(batch_size=batch, data_share=share, stop=bool(self.stop_reason or self.job_failed))
+
+    async def on_work(self, msg: Work, peer: bytes) -> Message:
+        """Hand out the next ``msg.count`` examples of the current epoch to whoever asks first."""
+        m = self._member(msg)
+        if msg.count < 1:
+            raise RequestError(f"work count must be >= 1, got {msg.count}", "bad_request")
+        n = len(self.dataset.y_train)
+        if self.work_cursor >= n:
+            self.work_epoch, self.work_cursor = self.work_epoch + 1, 0
+        if self.work_epoch >= self.cfg.train.epochs or self.stop_reason or self.job_failed:
+            return Work(count=0, epoch=self.work_epoch)
+        start = self.work_cursor
+        count = min(msg.count, n - start)
+        self.work_cursor += count
+        self.work_taken[m.id] = self.work_taken.get(m.id, 0) + count
+        return Work(count=count, epoch=self.work_epoch, start=start)
 
     async def on_leave(self, msg: Leave, peer: bytes) -> Message:
         m = self._member(msg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -17,10 +18,9 @@ from torch.nn import functional as F
 
 from hmp.client import PSClient, evaluate
 from hmp.config import Config
-from hmp.data import shard
 from hmp.jobdata import load_dataset_from_config
 from hmp.errors import HmpError
-from hmp.messages import Assign, Report
+from hmp.messages import Assign, Report, Work
 from hmp.nodes.base import Node
 from hmp.ps.plan import ModelPlan
 
@@ -78,7 +78,7 @@ class WorkerNode(Node):
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)
         return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
-                "batch_size": float(self.batch_size), "bytes_out": float(ps.bytes_out),
+                "batch_size": float(self.batch_size), "busy_s": self.busy_s, "bytes_out": float(ps.bytes_out),
                 "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
 
     async def send_report(self, ps: PSClient, done: bool = False) -> None:
@@ -95,45 +95,78 @@ class WorkerNode(Node):
                 self.log.info("batch_size_changed", old=self.batch_size, new=reply.batch_size)
                 self.batch_size = reply.batch_size
 
+    @property
+    def first_come_first_served(self) -> bool:
+        """Hogbatch policies hand data out on demand; the others give each worker a fixed slice."""
+        return self.cfg.train.policy in ("hogbatch", "adaptive")
+
+    async def batches(self, n: int, index: int, count: int) -> AsyncIterator[torch.Tensor]:
+        """Index tensors into the training set, one per step, until the epochs are used up.
+
+        Static: this worker's contiguous slice, reshuffled each epoch. First-come-first-served:
+        work units of a few batches fetched from the scheduler, ranges of the epoch's shuffled
+        order (every node derives the same order from the seed), so faster workers take more.
+        The batch size is read at every step: the scheduler may change it at any report.
+        """
+        t = self.cfg.train
+        if not self.first_come_first_served:
+            lo, hi = n * index // count, n * (index + 1) // count
+            gen = torch.Generator().manual_seed(self.cfg.data.seed * 1000 + index)
+            for epoch in range(t.epochs):
+                self.metrics["epoch"] = epoch
+                order = lo + torch.randperm(hi - lo, generator=gen)
+                for pos in range(0, len(order), self.batch_size):
+                    yield order[pos:pos + self.batch_size]
+            return
+        assert self.scheduler is not None
+        orders: dict[int, torch.Tensor] = {}
+        while True:
+            unit = await self.scheduler.request(Work(count=self.batch_size * self.cfg.train.work_unit_batches))
+            assert isinstance(unit, Work)
+            if unit.count == 0:
+                return
+            if unit.epoch not in orders:
+                orders = {unit.epoch: torch.randperm(n, generator=torch.Generator().manual_seed(
+                    self.cfg.data.seed * 7919 + unit.epoch))}
+            self.metrics["epoch"] = unit.epoch
+            ids = orders[unit.epoch][unit.start:unit.start + unit.count]
+            pos = 0
+            while pos < len(ids):
+                yield ids[pos:pos + self.batch_size]
+                pos += self.batch_size
+
     async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:
         model = ps.model
-        x, y = shard(data.x_train, data.y_train, index, count)  # this worker's slice (views)
+        x, y = data.x_train, data.y_train
         if self.device.type != "cpu":
             x, y = x.to(self.device), y.to(self.device)
         t = self.cfg.train
-        gen = torch.Generator().manual_seed(self.cfg.data.seed * 1000 + index)
         self.t_train0 = time.monotonic()
         next_report = self.t_train0 + t.report_interval_s
         next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
-        self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device))
+        self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device),
+                      data="first-come-first-served" if self.first_come_first_served else "static slice")
         ema = None
-        for epoch in range(t.epochs):
-            self.metrics["epoch"] = epoch
-            order = torch.randperm(len(y), generator=gen)
-            pos = 0
-            while pos < len(order):
-                if self.stopping.is_set() or self.stop_requested:
-                    return
-                idx = order[pos:pos + self.batch_size]
-                pos += len(idx)
-                t0 = time.perf_counter()
-                ps.plan.flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
-                out = model(x[idx])
-                loss = F.cross_entropy(out, y[idx])
-                loss.backward()
-                lv = loss.item()
-                self.busy_s += time.perf_counter() - t0
-                await ps.push(samples=len(idx))
-                self.step += 1
-                ema = lv if ema is None else 0.9 * ema + 0.1 * lv
-                self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
-                now = time.monotonic()
-                if now >= next_eval:
-                    self.metrics.update(evaluate(model, data.x_test, data.y_test))
-                    next_eval = now + t.eval_every_s
-                if now >= next_report:
-                    await self.send_report(ps)
-                    next_report = now + t.report_interval_s
+        async for idx in self.batches(len(y), index, count):
+            if self.stopping.is_set() or self.stop_requested:
+                return
+            t0 = time.perf_counter()
+            ps.plan.flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            lv = loss.item()
+            self.busy_s += time.perf_counter() - t0
+            await ps.push(samples=len(idx))
+            self.step += 1
+            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
+            self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
+            now = time.monotonic()
+            if now >= next_eval:
+                self.metrics.update(evaluate(model, data.x_test, data.y_test))
+                next_eval = now + t.eval_every_s
+            if now >= next_report:
+                await self.send_report(ps)
+                next_report = now + t.report_interval_s
         self.metrics["epoch"] = t.epochs
         if index == 0:
             self.metrics.update(evaluate(model, data.x_test, data.y_test))

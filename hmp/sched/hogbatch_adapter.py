@@ -1,0 +1,70 @@
+"""The scheduler's bridge to the Hogbatch policies (:mod:`hmp.sched.hogbatch`).
+
+Workers report cumulative counters; the policies want per-interval rates. This adapter keeps each
+worker's previous report, turns the difference into a :class:`WorkerReport` and returns the
+policy's batch size and data share for the reporting worker. Knobs the config leaves out default
+from the topology: ``sync`` takes ``[train] batch_size``; ``hogbatch`` takes the CPU and GPU
+workers' configured batch sizes; ``adaptive`` takes the CPU worker's as ``base_batch``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hmp.config import Config
+from hmp.errors import ConfigError
+from hmp.sched.hogbatch import WorkerReport, make_policy
+
+
+def _kind(role: str) -> str:
+    return "gpu" if role == "gpu_worker" else "cpu"
+
+
+def default_knobs(cfg: Config) -> dict[str, Any]:
+    sizes = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
+    cpu = [sizes[w.id] for w in cfg.workers if w.role == "cpu_worker"] or [cfg.train.batch_size]
+    gpu = [sizes[w.id] for w in cfg.workers if w.role == "gpu_worker"] or [max(cpu)]
+    if cfg.train.policy == "sync":
+        return {"batch_size": cfg.train.batch_size}
+    if cfg.train.policy == "hogbatch":
+        return {"cpu_batch": min(cpu), "gpu_batch": max(gpu)}
+    return {"base_batch": min(cpu), "max_batch": max(4096, max(gpu))}
+
+
+class HogbatchAdapter:
+    """``initial / update / forget`` for the scheduler, backed by one Hogbatch policy."""
+
+    def __init__(self, cfg: Config) -> None:
+        knobs = {**default_knobs(cfg), **cfg.train.policy_args}
+        try:
+            self.policy = make_policy(cfg.train.policy, **knobs)
+        except ValueError as exc:
+            raise ConfigError(cfg.path, "train.policy_args", str(exc)) from None
+        self.kinds = {w.id: _kind(w.role) for w in cfg.workers}
+        self.assignments = self.policy.initial(list(self.kinds.items()))
+        self.last: dict[str, tuple[float, float, float]] = {}  # worker -> (time, samples, busy)
+
+    def initial(self, worker_id: str) -> int:
+        return self.assignments[worker_id].batch_size
+
+    def update(self, worker_id: str, metrics: dict[str, float], now_s: float) -> tuple[int, float]:
+        samples = metrics.get("samples", 0.0)
+        busy = metrics.get("busy_s", 0.0)
+        t_prev, s_prev, b_prev = self.last.get(worker_id, (0.0, 0.0, 0.0))
+        self.last[worker_id] = (now_s, samples, busy)
+        dt = now_s - t_prev
+        if dt > 0 and samples > s_prev:
+            loss = metrics.get("loss", math.nan)
+            report = WorkerReport(
+                worker_id=worker_id, kind=self.kinds.get(worker_id, "cpu"), samples_per_s=(samples - s_prev) / dt,
+                updates=int(metrics.get("updates", 0)), loss=float(loss) if loss == loss else math.nan,
+                busy_fraction=min(1.0, max(0.0, (busy - b_prev) / dt)),
+                batch_size=max(1, int(metrics.get("batch_size", 1))), time_s=now_s)
+            self.assignments = self.policy.update([report], now_s)
+        a = self.assignments.get(worker_id)
+        return (a.batch_size, a.data_share) if a else (int(metrics.get("batch_size", 1)), 0.0)
+
+    def forget(self, worker_id: str) -> None:
+        if worker_id in self.assignments:
+            self.assignments = self.policy.forget(worker_id)

@@ -148,3 +148,18 @@ async def test_checkpoint_then_resume_gives_the_same_parameters(tmp_path):
             p.terminate()
         codes = [p.wait(timeout=30) for p in procs]
     assert codes == [0, 0, 0], [p.stderr.read()[-2000:] for p in procs]
+
+
+@pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
+async def test_hogbatch_policies_run_as_scheduler_loops(tmp_path, policy):
+    """Hogbatch policies size batches while training runs; data goes first-come-first-served; the report has
+    per-worker update shares and batch sizes over time, and static Hogbatch leaves most updates to the CPU."""
+    cfg = write_config(tmp_path, policy=policy, target=0.93)
+    async with LocalCluster(cfg) as cluster:
+        report = await cluster.train(timeout_s=200)
+    assert report["policy"] == policy and report["final"]["test_accuracy"] >= 0.93
+    shares = {w: s["update_share"] for w, s in report["workers"].items()}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert all("batch_size" in p for p in report["series"]["cpu0"])
+    if policy == "hogbatch":
+        assert shares["cpu0"] > 0.5

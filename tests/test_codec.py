@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hmp.errors import ProtocolError
 from hmp.messages import (MESSAGE_TYPES, Ack, Assign, Error, Heartbeat, Join, Kind, Params, Pull, Push, Report,
-                          Tensors, Welcome)
+                          Tensors, Welcome, Work)
 from hmp.transport.codec import DTYPES, Limits, decode, encode
 
 SHAPES = [(), (0,), (3,), (2, 3), (4, 0, 2), (2, 1, 3, 1, 2), (1,) * 8]
@@ -120,6 +120,7 @@ _messages = st.one_of(
     st.builds(Assign, batch_size=_scalar_for[int], data_share=_scalar_for[float], stop=st.booleans()),
     st.builds(Join, role=_text, address=_text, pid=_scalar_for[int]),
     st.builds(Welcome, heartbeat_interval_s=_scalar_for[float], info=st.dictionaries(_text, _json, max_size=3)),
+    st.builds(Work, count=_scalar_for[int], epoch=_scalar_for[int], start=_scalar_for[int]),
     st.builds(Error, code=_text, message=_text), st.builds(Ack, detail=_text), st.builds(Heartbeat, step=_scalar_for[int]),
 )
 

@@ -118,7 +118,18 @@ class PSClient:
 
             assert self.cfg is not None
             dataset = load_dataset_from_config(self.cfg)
+        if self.plan.array is not None:
+            return evaluate_sweep(self.plan.array, dataset.x_test, dataset.y_test)
         return evaluate(self.model, dataset.x_test, dataset.y_test)
+
+
+def evaluate_sweep(array: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """Per-member test accuracy of an HFTA sweep (``member<b>_accuracy``), the best as ``test_accuracy``."""
+    accs = array.evaluate(x, y)
+    out = {f"member{b}_accuracy": a for b, a in enumerate(accs)}
+    out["test_accuracy"] = max(accs)
+    out["best_member"] = float(accs.index(max(accs)))
+    return out
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096) -> dict[str, float]:

@@ -103,6 +103,13 @@ class LimitsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    members: list = _field([], "HFTA sweep: one table of optimizer settings per member (lr, momentum, "
+                               "weight_decay, betas, ...); empty: not a sweep job")
+    optimizer: str = _field("sgd", "sweep: fused optimizer of the members (sgd | adam | adamw)")
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
     name: str = _field("job", "job name, used in logs and the report")
     report_dir: str = _field("runs/{name}", "where the run report goes (relative: to the working dir)")
@@ -123,6 +130,7 @@ class Config:
     train: TrainConfig
     ps: PSConfig
     limits: LimitsConfig
+    sweep: SweepConfig
     nodes: tuple[NodeConfig, ...]
 
     def node(self, node_id: str) -> NodeConfig:
@@ -160,7 +168,8 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-                             "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig}
+                             "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
+                             "sweep": SweepConfig}
 
 
 def _type_name(t: Any) -> str:
@@ -283,6 +292,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'svmlight', 'npz'], got {cfg.data.kind!r}")
     if cfg.data.kind in ("svmlight", "npz") and not cfg.data.path:
         raise ConfigError(p, "data.path", f"a file path for data.kind = {cfg.data.kind!r}")
+    if cfg.sweep.members:
+        if not all(isinstance(m, dict) for m in cfg.sweep.members):
+            raise ConfigError(p, "sweep.members", "an array of tables, one per member")
+        if cfg.sweep.optimizer not in ("sgd", "adam", "adamw"):
+            raise ConfigError(p, "sweep.optimizer", f"one of ['sgd', 'adam', 'adamw'], got {cfg.sweep.optimizer!r}")
+        if t.consistency != "async":
+            raise ConfigError(p, "train.consistency", "\"async\" for a sweep job (workers push parameter deltas)")
     if cfg.ps.chunk_bytes < 64:
         raise ConfigError(p, "ps.chunk_bytes", "an integer >= 64")
     if cfg.limits.frame_bytes < 64:

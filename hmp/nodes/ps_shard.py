@@ -22,6 +22,14 @@ from hmp.ps.shard_core import ShardCore
 from hmp.transport.endpoint import wait_sent
 
 
+def optimizer_of(cfg: Config) -> tuple[str, dict[str, Any]]:
+    """The shards' chunk optimizer. A sweep job's workers run the fused per-member optimizer
+    themselves and push parameter deltas, which the shards apply as plain SGD at lr 1."""
+    if cfg.sweep.members:
+        return "sgd", {"lr": 1.0}
+    return cfg.optimizer.name, optimizer_hyper(cfg)
+
+
 def optimizer_hyper(cfg: Config) -> dict[str, Any]:
     o = cfg.optimizer
     if o.name == "sgd":
@@ -39,8 +47,7 @@ class PSShardNode(Node):
         plan = ModelPlan.from_config(cfg)
         index = [s.id for s in cfg.shards].index(node_id)
         initial = plan.initial_chunks(index)
-        self.core = ShardCore(node_id, initial, cfg.optimizer.name, optimizer_hyper(cfg), cfg.train.consistency,
-                              cfg.train.staleness)
+        self.core = ShardCore(node_id, initial, *optimizer_of(cfg), cfg.train.consistency, cfg.train.staleness)
         self.core.live_workers = {w.id for w in cfg.workers}
         self.core.clock = {w.id: 0 for w in cfg.workers}
         ckdir = cfg.ps.checkpoint_dir or str(cfg.report_dir / "checkpoints")

@@ -146,6 +146,8 @@ class SchedulerNode(Node):
             self.report.finish_worker(m.id, {})
         m.state = "left"
         self.log.info("node_left", node=m.id, reason=msg.reason)
+        if msg.reason.startswith("failed:") and not self.job_failed:
+            self.job_failed = f"node {m.id} ({m.role}) {msg.reason}"
         self.policy.forget(m.id)
         self._check_workers_done()
         return Ack()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from hmp.client import PSClient, evaluate
+from hmp.client import PSClient, evaluate, evaluate_sweep
 from hmp.config import Config
 from hmp.jobdata import load_dataset_from_config
 from hmp.errors import HmpError
@@ -67,13 +67,17 @@ class WorkerNode(Node):
         try:
             await ps.pull()
             await self.train(ps, data, int(info["worker_index"]), int(info["num_workers"]))
+        except Exception as exc:
+            self.failed = f"{exc.__class__.__name__}: {exc}"
+            raise
         finally:
-            await self.send_report(ps, done=True)
+            if not self.failed:
+                await self.send_report(ps, done=True)
             await ps.leave(self.failed or "done")
             await ps.close()
             hb.cancel()
             await asyncio.gather(hb, return_exceptions=True)
-            await self.leave(self.failed or "done")
+            await self.leave(f"failed: {self.failed}" if self.failed else "done")
 
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)
@@ -147,14 +151,28 @@ class WorkerNode(Node):
         self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device),
                       data="first-come-first-served" if self.first_come_first_served else "static slice")
         ema = None
+        array, flat = ps.plan.array, ps.plan.flat
+        # Sweep: the values before the step, to push the step's delta (a copy by necessity).
+        before = {d: torch.empty_like(t) for d, t in flat.params.items()} if array is not None else {}
         async for idx in self.batches(len(y), index, count):
             if self.stopping.is_set() or self.stop_requested:
                 return
             t0 = time.perf_counter()
-            ps.plan.flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            lv = loss.item()
+            if array is None:
+                flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                loss.backward()
+                lv = loss.item()
+            else:
+                # HFTA sweep: the fused optimizer (per-member hyper-parameters) steps locally; the
+                # delta old - new goes to the shards in the gradient buffer; they apply p -= 1 * delta.
+                for d, values in flat.params.items():
+                    before[d].copy_(values)
+                member_losses = array.step(x[idx], y[idx])
+                for d, values in flat.params.items():
+                    torch.sub(before[d], values, out=flat.grads[d])
+                lv = member_losses.mean().item()
+                self.metrics.update({f"member{b}_loss": float(v) for b, v in enumerate(member_losses)})
             self.busy_s += time.perf_counter() - t0
             await ps.push(samples=len(idx))
             self.step += 1
@@ -162,11 +180,16 @@ class WorkerNode(Node):
             self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
             now = time.monotonic()
             if now >= next_eval:
-                self.metrics.update(evaluate(model, data.x_test, data.y_test))
+                self.metrics.update(self.evaluate(ps, data))
                 next_eval = now + t.eval_every_s
             if now >= next_report:
                 await self.send_report(ps)
                 next_report = now + t.report_interval_s
         self.metrics["epoch"] = t.epochs
         if index == 0:
-            self.metrics.update(evaluate(model, data.x_test, data.y_test))
+            self.metrics.update(self.evaluate(ps, data))
+
+    def evaluate(self, ps: PSClient, data: Any) -> dict[str, float]:
+        if ps.plan.array is not None:
+            return evaluate_sweep(ps.plan.array, data.x_test, data.y_test)
+        return evaluate(ps.model, data.x_test, data.y_test)

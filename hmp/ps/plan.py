@@ -8,7 +8,7 @@ be told where a chunk lives.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
 
 import torch
 from torch import nn
@@ -24,16 +24,25 @@ class ModelPlan:
     layout: FlatLayout
     flat: FlatBuffers  # the model's parameters and gradients live here
     placement: dict[int, list[int]]  # shard index -> chunk keys
+    array: Any = None  # a FusedArray when the job is an HFTA sweep; ``model`` is then its fused model
 
     @classmethod
     def from_config(cls, cfg: Config, device: str | torch.device = "cpu") -> ModelPlan:
         torch.manual_seed(cfg.model.seed)
-        model = build_model(cfg.model.name, **cfg.model.args)
+        array = None
+        if cfg.sweep.members:
+            from hmp.kernels.fused.array import FusedArray
+
+            array = FusedArray(lambda: build_model(cfg.model.name, **cfg.model.args), cfg.sweep.members,
+                               cfg.sweep.optimizer, device)
+            model = array.model
+        else:
+            model = build_model(cfg.model.name, **cfg.model.args)
         layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes)
         model.to(device)
         flat = layout.bind(model)
         placement = place_chunks(layout.chunks, len(cfg.shards))
-        return cls(model, layout, flat, placement)
+        return cls(model, layout, flat, placement, array)
 
     @property
     def chunks(self) -> dict[int, Chunk]:

@@ -196,3 +196,16 @@ async def test_hfta_sweep_job_trains_members_as_one_fused_array(tmp_path):
     want = array.evaluate(data.x_test, data.y_test)
     assert got == pytest.approx(want, abs=1.5 / len(data.y_test))
     assert len({round(a, 3) for a in got}) == 3
+
+
+async def test_hogwild_cpu_worker_trains_with_several_threads(tmp_path):
+    """A CPU worker with hogwild_threads = 2 trains its replica lock-free and pushes the summed updates; the job
+    reaches its target and the CPU side makes most of the updates (static Hogbatch)."""
+    cfg = write_config(tmp_path, policy="hogbatch", target=0.93,
+                       optimizer='name = "sgd"\nlr = 0.1\nmomentum = 0.0')
+    cfg.write_text(cfg.read_text().replace("batch_size = 16", "batch_size = 4\nhogwild_threads = 2"))
+    async with LocalCluster(cfg) as cluster:
+        report = await cluster.train(timeout_s=200)
+    assert report["final"]["test_accuracy"] >= 0.93
+    assert report["workers"]["cpu0"]["update_share"] > 0.5
+    assert "training_hogwild" in (tmp_path / "run" / "logs" / "cpu0.log").read_text()

@@ -104,13 +104,13 @@ class WorkerNode(Node):
         """Hogbatch policies hand data out on demand; the others give each worker a fixed slice."""
         return self.cfg.train.policy in ("hogbatch", "adaptive")
 
-    async def batches(self, n: int, index: int, count: int) -> AsyncIterator[torch.Tensor]:
-        """Index tensors into the training set, one per step, until the epochs are used up.
+    async def units(self, n: int, index: int, count: int) -> AsyncIterator[torch.Tensor]:
+        """Index tensors into the training set, a unit of work at a time, until the epochs are used up.
 
-        Static: this worker's contiguous slice, reshuffled each epoch. First-come-first-served:
-        work units of a few batches fetched from the scheduler, ranges of the epoch's shuffled
-        order (every node derives the same order from the seed), so faster workers take more.
-        The batch size is read at every step: the scheduler may change it at any report.
+        Static: this worker's contiguous slice, reshuffled each epoch (one unit per epoch).
+        First-come-first-served: work units of a few batches fetched from the scheduler, ranges
+        of the epoch's shuffled order (every node derives the same order from the seed), so
+        faster workers take more of the data.
         """
         t = self.cfg.train
         if not self.first_come_first_served:
@@ -118,14 +118,12 @@ class WorkerNode(Node):
             gen = torch.Generator().manual_seed(self.cfg.data.seed * 1000 + index)
             for epoch in range(t.epochs):
                 self.metrics["epoch"] = epoch
-                order = lo + torch.randperm(hi - lo, generator=gen)
-                for pos in range(0, len(order), self.batch_size):
-                    yield order[pos:pos + self.batch_size]
+                yield lo + torch.randperm(hi - lo, generator=gen)
             return
         assert self.scheduler is not None
         orders: dict[int, torch.Tensor] = {}
         while True:
-            unit = await self.scheduler.request(Work(count=self.batch_size * self.cfg.train.work_unit_batches))
+            unit = await self.scheduler.request(Work(count=self.batch_size * t.work_unit_batches))
             assert isinstance(unit, Work)
             if unit.count == 0:
                 return
@@ -133,13 +131,21 @@ class WorkerNode(Node):
                 orders = {unit.epoch: torch.randperm(n, generator=torch.Generator().manual_seed(
                     self.cfg.data.seed * 7919 + unit.epoch))}
             self.metrics["epoch"] = unit.epoch
-            ids = orders[unit.epoch][unit.start:unit.start + unit.count]
+            yield orders[unit.epoch][unit.start:unit.start + unit.count]
+
+    async def batches(self, n: int, index: int, count: int) -> AsyncIterator[torch.Tensor]:
+        """Batches of the work units; the batch size is read at every step, as the scheduler
+        may change it at any report."""
+        async for ids in self.units(n, index, count):
             pos = 0
             while pos < len(ids):
                 yield ids[pos:pos + self.batch_size]
                 pos += self.batch_size
 
     async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:
+        if self.node.hogwild_threads > 1 and ps.plan.array is None:
+            await self.train_hogwild(ps, data, index, count)
+            return
         model = ps.model
         x, y = data.x_train, data.y_train
         if self.device.type != "cpu":
@@ -193,3 +199,70 @@ class WorkerNode(Node):
         if ps.plan.array is not None:
             return evaluate_sweep(ps.plan.array, data.x_test, data.y_test)
         return evaluate(ps.model, data.x_test, data.y_test)
+
+    async def train_hogwild(self, ps: PSClient, data: Any, index: int, count: int) -> None:
+        """CPU Hogbatch: ``hogwild_threads`` threads update the local replica without locks
+        (torch releases the GIL in its kernels) and add each update's gradient to an
+        accumulator; meanwhile this task pushes the accumulated sum to the PS every few
+        updates and the reply's values overwrite the replica (racing the threads, as Hogwild
+        updates race each other). The PS applies the sum: every thread's update reaches it."""
+        from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
+
+        flat = ps.plan.flat
+        if len(flat.grads) != 1:
+            raise HmpError("hogwild_threads > 1 needs a model with one parameter dtype")
+        (grad_buf,) = flat.grads.values()
+        lr = self.cfg.optimizer.lr
+        o = self.cfg.optimizer
+        if o.name != "sgd" or o.momentum:
+            # The PS applies the *sum* of the threads' gradients; momentum or Adam on the PS then
+            # turns several Hogwild steps into one much larger step.
+            self.log.warning("hogwild_with_momentum", optimizer=o.name, momentum=o.momentum,
+                             advice="Hogbatch as in the paper uses plain SGD (momentum = 0)")
+        trainer = HogwildTrainer(ps.model, self.node.hogwild_threads, lr, self.batch_size, F.cross_entropy,
+                                 intra_op_threads=1)
+        acc = GradientAccumulator.for_model(ps.model)
+        t = self.cfg.train
+        self.t_train0 = time.monotonic()
+        next_report = self.t_train0 + t.report_interval_s
+        next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
+        self.log.info("training_hogwild", threads=self.node.hogwild_threads, batch_size=self.batch_size)
+        x, y = data.x_train, data.y_train
+
+        async def push_pending() -> None:
+            drained = acc.drain()
+            if drained.updates == 0:
+                return
+            grad_buf.copy_(drained.grad_sum)  # parameters() order == the flat layout's order
+            await ps.push(samples=drained.samples)
+            self.step += drained.updates
+            self.metrics.update(samples=self.metrics["samples"] + drained.samples, updates=self.step)
+
+        async for ids in self.units(len(y), index, count):
+            if self.stopping.is_set() or self.stop_requested:
+                break
+            trainer.batch_size = self.batch_size
+            t0 = time.perf_counter()
+            run = asyncio.create_task(asyncio.to_thread(trainer.accumulate_gradients, x[ids], y[ids], acc, epochs=1,
+                                                        seed=self.step))
+            while not run.done():
+                await asyncio.wait({run}, timeout=0.005)
+                await push_pending()
+                if self.stopping.is_set() or self.stop_requested:
+                    trainer.stop()
+            stats = run.result()
+            await push_pending()
+            self.busy_s += min(stats.busy_s / max(1, self.node.hogwild_threads), time.perf_counter() - t0)
+            if stats.updates:
+                lv = stats.mean_loss
+                prev = self.metrics.get("loss")
+                self.metrics["loss"] = lv if prev != prev else 0.9 * prev + 0.1 * lv
+            now = time.monotonic()
+            if now >= next_eval:
+                self.metrics.update(self.evaluate(ps, data))
+                next_eval = now + t.eval_every_s
+            if now >= next_report:
+                await self.send_report(ps)
+                next_report = now + t.report_interval_s
+        if index == 0:
+            self.metrics.update(self.evaluate(ps, data))

@@ -1,0 +1,568 @@
+"""Batch-size and data-share policies for heterogeneous CPU+GPU SGD (Ma & Rusu, "Heterogeneous
+CPU+GPU Stochastic Gradient Descent Algorithms", arXiv:2004.08771).
+
+Pure: no sockets, no clocks, no threads. A policy takes the workers' :class:`WorkerReport` s and
+returns one :class:`Assignment` per live worker (batch size, expected share of the data, whether
+updates are synchronous). The scheduler node feeds it reports and turns the assignments into
+``Assign`` messages; the tests feed it scripted reports or the virtual-time :func:`simulate`.
+
+Three policies, one interface (:class:`HogbatchPolicy`):
+
+* :class:`SyncSGD` -- the baseline: bulk-synchronous data-parallel SGD, one batch size
+  everywhere, equal data shares.
+* :class:`StaticHogbatch` -- CPU+GPU Hogbatch: fixed small CPU batches, fixed large GPU batches,
+  data handed out first-come-first-served, so each worker's share of the data is proportional
+  to its throughput; the CPU side makes most of the model updates.
+* :class:`AdaptiveHogbatch` -- batch sizes follow the measured speeds so that update rates
+  balance; ``threshold`` is the update imbalance accepted to keep GPUs on larger batches.
+  The rule and the reasons for it are in docs/hogbatch.md.
+
+Shares always sum to 1 over the live workers. A worker leaves the table by :meth:`forget`
+(the scheduler declared it lost) or by staying silent for ``stale_after_s``; its share goes to
+the others at once. A report from an unknown worker id registers it (late join or rejoin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+WORKER_KINDS = ("cpu", "gpu")
+
+
+# ----------------------------------------------------------------------------- values
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """One worker's progress, as the scheduler received it.
+
+    ``samples_per_s``: examples processed per wall-clock second over the worker's last report
+    interval (not per busy second: waiting on the PS counts against it, as it does for update
+    balance). ``updates``: model updates since the worker started (cumulative). ``loss``: mean
+    training loss over the interval, ``nan`` when not measured. ``busy_fraction``: share of the
+    interval spent computing, in [0, 1]. ``batch_size``: the batch size used in the interval.
+    ``time_s``: the worker's clock when it wrote the report, in seconds; only used to drop
+    reports that arrive out of order.
+    """
+
+    worker_id: str
+    kind: str
+    samples_per_s: float
+    updates: int
+    loss: float
+    busy_fraction: float
+    batch_size: int
+    time_s: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise ValueError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
+        _check_kind(self.kind)
+        if not _finite(self.samples_per_s) or self.samples_per_s < 0:
+            raise ValueError(f"{self.worker_id}: samples_per_s must be a finite number >= 0, got {self.samples_per_s!r}")
+        if not isinstance(self.updates, int) or self.updates < 0:
+            raise ValueError(f"{self.worker_id}: updates must be an int >= 0, got {self.updates!r}")
+        if not isinstance(self.loss, (int, float)):
+            raise ValueError(f"{self.worker_id}: loss must be a float (nan when not measured), got {self.loss!r}")
+        if not _finite(self.busy_fraction) or not 0.0 <= self.busy_fraction <= 1.0:
+            raise ValueError(f"{self.worker_id}: busy_fraction must be in [0, 1], got {self.busy_fraction!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"{self.worker_id}: batch_size must be an int >= 1, got {self.batch_size!r}")
+        if not _finite(self.time_s):
+            raise ValueError(f"{self.worker_id}: time_s must be a finite number of seconds, got {self.time_s!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assignment:
+    """What one worker should do from now on.
+
+    ``batch_size``: examples per model update. ``data_share``: the fraction of the epoch this
+    worker is expected to take (first-come-first-served policies hand data out on demand; the
+    share is the forecast, used to size prefetching and partitions). ``sync``: updates wait for
+    all workers (bulk-synchronous) instead of being applied as they arrive.
+    """
+
+    worker_id: str
+    batch_size: int
+    data_share: float
+    sync: bool
+
+
+@runtime_checkable
+class HogbatchPolicy(Protocol):
+    """The interface the scheduler programs against."""
+
+    name: str
+
+    def initial(self, workers: Sequence[tuple[str, str]]) -> dict[str, Assignment]:
+        """Register ``(worker_id, kind)`` pairs and return their first assignments."""
+        ...
+
+    def update(self, reports: Sequence[WorkerReport], now_s: float) -> dict[str, Assignment]:
+        """Fold in reports received at scheduler time ``now_s`` (seconds); return assignments
+        for every live worker."""
+        ...
+
+    def forget(self, worker_id: str) -> dict[str, Assignment]:
+        """Drop a worker that left; return the remaining workers' assignments."""
+        ...
+
+
+# ----------------------------------------------------------------------------- shared base
+
+@dataclasses.dataclass(slots=True)
+class _Worker:
+    kind: str
+    speed: float | None = None  # smoothed samples/s; None until the first measurement
+    last_seen_s: float | None = None  # scheduler clock of the last report
+    last_report_time_s: float = -math.inf  # worker clock of the last accepted report
+
+
+class _PolicyBase:
+    """Worker table, smoothing, staleness and share computation shared by the policies."""
+
+    name = "base"
+
+    def __init__(self, smoothing: float, stale_after_s: float | None) -> None:
+        if not _finite(smoothing) or not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing is the weight kept on the old speed estimate, expected in [0, 1), got {smoothing!r}")
+        if stale_after_s is not None and (not _finite(stale_after_s) or stale_after_s <= 0):
+            raise ValueError(f"stale_after_s must be None or seconds > 0, got {stale_after_s!r}")
+        self.smoothing = float(smoothing)
+        self.stale_after_s = stale_after_s
+        self._workers: dict[str, _Worker] = {}
+
+    # -- the interface
+
+    def initial(self, workers: Sequence[tuple[str, str]]) -> dict[str, Assignment]:
+        """Replace the worker table with ``(worker_id, kind)`` pairs; nothing measured yet."""
+        ids = [w for w, _ in workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be unique, got {ids}")
+        for worker_id, kind in workers:
+            if not isinstance(worker_id, str) or not worker_id:
+                raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+            _check_kind(kind)
+        self._workers = {w: _Worker(kind=k) for w, k in workers}
+        return self._assign()
+
+    def update(self, reports: Sequence[WorkerReport], now_s: float) -> dict[str, Assignment]:
+        if not _finite(now_s):
+            raise ValueError(f"now_s must be a finite number of seconds, got {now_s!r}")
+        for r in reports:  # validate all before changing anything
+            if not isinstance(r, WorkerReport):
+                raise ValueError(f"reports must be WorkerReport, got {type(r).__name__}")
+            known = self._workers.get(r.worker_id)
+            if known is not None and known.kind != r.kind:
+                raise ValueError(f"{r.worker_id} registered as {known.kind!r} but reports kind {r.kind!r}")
+        ids = [r.worker_id for r in reports]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"one report per worker per update, got ids {ids}")
+        for r in reports:
+            w = self._workers.get(r.worker_id)
+            if w is None:  # late join or rejoin after being forgotten
+                w = self._workers[r.worker_id] = _Worker(kind=r.kind)
+            w.last_seen_s = now_s
+            if r.time_s <= w.last_report_time_s:
+                continue  # duplicate or out-of-order delivery: the newer report already counted
+            w.last_report_time_s = r.time_s
+            self._observe(w, r)
+        for w in self._workers.values():
+            if w.last_seen_s is None:
+                w.last_seen_s = now_s  # staleness clock of never-heard workers starts now
+        if self.stale_after_s is not None:
+            for worker_id in [k for k, w in self._workers.items() if now_s - w.last_seen_s > self.stale_after_s]:
+                del self._workers[worker_id]
+        return self._assign()
+
+    def forget(self, worker_id: str) -> dict[str, Assignment]:
+        if worker_id not in self._workers:
+            raise KeyError(f"unknown worker {worker_id!r}; live workers are {sorted(self._workers)}")
+        del self._workers[worker_id]
+        return self._assign()
+
+    # -- introspection
+
+    @property
+    def live(self) -> dict[str, str]:
+        """Live workers: id -> kind."""
+        return {k: w.kind for k, w in self._workers.items()}
+
+    def estimates(self) -> dict[str, float | None]:
+        """Smoothed throughput per live worker in samples/s (None: not measured yet)."""
+        return {k: w.speed for k, w in self._workers.items()}
+
+    # -- for subclasses
+
+    def _observe(self, w: _Worker, r: WorkerReport) -> None:
+        if w.speed is None:
+            if r.samples_per_s > 0:  # a zero before any work is "not started", not "stalled"
+                w.speed = r.samples_per_s
+            return
+        w.speed = self.smoothing * w.speed + (1.0 - self.smoothing) * r.samples_per_s
+
+    def _speeds(self) -> dict[str, float]:
+        """Speed per live worker; unmeasured workers are assumed as fast as the measured mean
+        (so a newcomer gets a fair first share), and all equal when nobody is measured."""
+        known = [w.speed for w in self._workers.values() if w.speed is not None]
+        prior = sum(known) / len(known) if known else 1.0
+        return {k: (w.speed if w.speed is not None else prior) for k, w in self._workers.items()}
+
+    def _throughput_shares(self) -> dict[str, float]:
+        """First-come-first-served: each worker takes data in proportion to its throughput."""
+        speeds = self._speeds()
+        top = max(speeds.values(), default=0.0)
+        if top <= 0:
+            return {k: 1.0 / len(speeds) for k in speeds}
+        scaled = {k: s / top for k, s in speeds.items()}  # in [0, 1]: the sum cannot overflow
+        total = sum(scaled.values())
+        return {k: s / total for k, s in scaled.items()}
+
+    def _assign(self) -> dict[str, Assignment]:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- policies
+
+class SyncSGD(_PolicyBase):
+    """Bulk-synchronous data-parallel SGD: every worker uses ``batch_size`` examples per step
+    and takes an equal share of the data; the step waits for the slowest worker."""
+
+    name = "sync"
+
+    def __init__(self, batch_size: int, stale_after_s: float | None = None) -> None:
+        super().__init__(0.5, stale_after_s)  # speeds are only tracked for estimates()
+        self.batch_size = _check_batch("batch_size", batch_size)
+
+    def _assign(self) -> dict[str, Assignment]:
+        n = len(self._workers)
+        return {k: Assignment(k, self.batch_size, 1.0 / n, True) for k in self._workers}
+
+
+class StaticHogbatch(_PolicyBase):
+    """CPU+GPU Hogbatch: CPU workers use ``cpu_batch`` (small, Hogwild style), GPU workers
+    ``gpu_batch`` (large); updates are asynchronous and data is handed out first-come-first-
+    served, so data shares follow the smoothed throughputs. The update rate of a worker is
+    ``samples_per_s / batch_size``, so the CPU side makes most of the updates."""
+
+    name = "hogbatch"
+
+    def __init__(self, cpu_batch: int, gpu_batch: int, smoothing: float = 0.5, stale_after_s: float | None = None) -> None:
+        super().__init__(smoothing, stale_after_s)
+        self.batches = {"cpu": _check_batch("cpu_batch", cpu_batch), "gpu": _check_batch("gpu_batch", gpu_batch)}
+
+    def _assign(self) -> dict[str, Assignment]:
+        shares = self._throughput_shares()
+        return {k: Assignment(k, self.batches[w.kind], shares[k], False) for k, w in self._workers.items()}
+
+
+class AdaptiveHogbatch(_PolicyBase):
+    """Adaptive Hogbatch: batch sizes proportional to the smoothed speeds, so update rates
+    (``samples_per_s / batch_size``) become equal.
+
+    The target update rate is set by the slowest worker running ``base_batch``:
+    ``rate = min_speed / base_batch``. A CPU worker gets ``speed / rate`` examples per batch; a
+    GPU worker gets ``threshold * speed / rate``, because a GPU's utilization grows with its
+    batch size: ``threshold`` (>= 1) is the largest ratio of update rates accepted between a
+    CPU and a GPU worker in exchange for bigger GPU batches (1: exact balance; with one CPU and
+    one GPU the CPU's share of updates is at most ``threshold / (1 + threshold)``). Everything
+    is then clipped to ``[min_batch, max_batch]``, which can leave the balance unreachable
+    (a GPU held at ``max_batch`` below its balanced size makes more than its share of updates). Data shares follow
+    throughput (first-come-first-served). See docs/hogbatch.md for why this rule.
+    """
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        base_batch: int,
+        min_batch: int = 1,
+        max_batch: int = 4096,
+        threshold: float = 1.0,
+        smoothing: float = 0.5,
+        stale_after_s: float | None = None,
+    ) -> None:
+        super().__init__(smoothing, stale_after_s)
+        self.min_batch = _check_batch("min_batch", min_batch)
+        self.max_batch = _check_batch("max_batch", max_batch)
+        self.base_batch = _check_batch("base_batch", base_batch)
+        if self.min_batch > self.max_batch:
+            raise ValueError(f"min_batch ({min_batch}) must be <= max_batch ({max_batch})")
+        if not self.min_batch <= self.base_batch <= self.max_batch:
+            raise ValueError(f"base_batch ({base_batch}) must lie in [min_batch, max_batch] = [{min_batch}, {max_batch}]")
+        if not _finite(threshold) or threshold < 1.0:
+            raise ValueError(f"threshold is a ratio of update rates, expected a finite number >= 1, got {threshold!r}")
+        self.threshold = float(threshold)
+
+    def _assign(self) -> dict[str, Assignment]:
+        speeds = self._speeds()
+        shares = self._throughput_shares()
+        positive = [s for s in speeds.values() if s > 0]
+        out = {}
+        for k, w in self._workers.items():
+            stretch = self.threshold if w.kind == "gpu" else 1.0
+            if not positive or speeds[k] <= 0:
+                raw = stretch * self.base_batch  # nothing to scale by: keep the default
+            else:
+                # speed / rate with rate = min(positive) / base_batch, the updates/s every worker
+                # should make; written as a ratio so tiny speeds cannot overflow it
+                raw = stretch * self.base_batch * (speeds[k] / min(positive))
+            batch = round(min(float(self.max_batch), max(float(self.min_batch), raw)))
+            out[k] = Assignment(k, batch, shares[k], False)
+        return out
+
+
+POLICIES: dict[str, type[_PolicyBase]] = {"sync": SyncSGD, "hogbatch": StaticHogbatch, "adaptive": AdaptiveHogbatch}
+
+
+def make_policy(name: str, **knobs) -> HogbatchPolicy:
+    """Build a policy by name (``"sync"``, ``"hogbatch"``, ``"adaptive"``) with its knobs as
+    keywords; unknown names, unknown knobs and missing required knobs raise ``ValueError``
+    listing what is accepted."""
+    try:
+        cls = POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown Hogbatch policy {name!r}; expected one of {sorted(POLICIES)}") from None
+    params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+    unknown = sorted(set(knobs) - set(params))
+    if unknown:
+        raise ValueError(f"policy {name!r} has no knob(s) {unknown}; accepted knobs are {sorted(params)}")
+    missing = sorted(k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in knobs)
+    if missing:
+        raise ValueError(f"policy {name!r} needs knob(s) {missing}")
+    return cls(**knobs)
+
+
+# ----------------------------------------------------------------------------- simulator
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SimWorker:
+    """A virtual worker for :func:`simulate`.
+
+    Throughput at batch size ``b`` is ``samples_per_s * b / (b + half_batch)`` samples/s
+    (``half_batch`` = 0: flat, like a Hogwild CPU; large: a GPU that needs big batches to be
+    busy), multiplied by ``slow_factor`` from ``slow_at_s`` on. From ``leave_at_s`` on the
+    worker is gone: its batch in flight is lost and it stops reporting.
+    """
+
+    kind: str
+    samples_per_s: float
+    half_batch: float = 0.0
+    slow_at_s: float | None = None
+    slow_factor: float = 1.0
+    leave_at_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        if not _finite(self.samples_per_s) or self.samples_per_s <= 0:
+            raise ValueError(f"samples_per_s must be > 0, got {self.samples_per_s!r}")
+        if not _finite(self.half_batch) or self.half_batch < 0:
+            raise ValueError(f"half_batch must be >= 0, got {self.half_batch!r}")
+        if not _finite(self.slow_factor) or self.slow_factor <= 0:
+            raise ValueError(f"slow_factor must be > 0, got {self.slow_factor!r}")
+
+    def speed(self, batch: int, t: float) -> float:
+        """Samples/s when running batches of ``batch`` at virtual time ``t`` seconds."""
+        factor = self.slow_factor if self.slow_at_s is not None and t >= self.slow_at_s else 1.0
+        return factor * self.samples_per_s * batch / (batch + self.half_batch)
+
+    def alive(self, t: float) -> bool:
+        return self.leave_at_s is None or t < self.leave_at_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SimStep:
+    """One report interval of :func:`simulate`: it ends at virtual time ``t_s``; ``updates`` and
+    ``samples`` were completed per worker in the interval; ``assignments`` is what the policy
+    returned at its end (for the entry at ``t_s`` = 0: the initial assignments, no counts)."""
+
+    t_s: float
+    updates: dict[str, int]
+    samples: dict[str, int]
+    assignments: dict[str, Assignment]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SimResult:
+    """Outcome of :func:`simulate`: worker kinds and one :class:`SimStep` per report."""
+
+    kinds: dict[str, str]
+    steps: tuple[SimStep, ...]
+
+    def _total(self, field: str, since_s: float, until_s: float) -> dict[str, int]:
+        out = dict.fromkeys(self.kinds, 0)
+        for step in self.steps:
+            if since_s < step.t_s <= until_s:
+                for k, n in getattr(step, field).items():
+                    out[k] += n
+        return out
+
+    def updates(self, since_s: float = 0.0, until_s: float = math.inf) -> dict[str, int]:
+        """Model updates per worker completed in the intervals ending in ``(since_s, until_s]``."""
+        return self._total("updates", since_s, until_s)
+
+    def samples(self, since_s: float = 0.0, until_s: float = math.inf) -> dict[str, int]:
+        """Examples per worker processed in the intervals ending in ``(since_s, until_s]``."""
+        return self._total("samples", since_s, until_s)
+
+    def update_share(self, kind: str, since_s: float = 0.0, until_s: float = math.inf) -> float:
+        """Fraction of the model updates made by workers of ``kind`` (0 when there were none)."""
+        return self._share(self.updates(since_s, until_s), kind)
+
+    def sample_share(self, kind: str, since_s: float = 0.0, until_s: float = math.inf) -> float:
+        """Fraction of the examples processed by workers of ``kind`` (0 when there were none)."""
+        return self._share(self.samples(since_s, until_s), kind)
+
+    def _share(self, counts: dict[str, int], kind: str) -> float:
+        total = sum(counts.values())
+        return sum(n for k, n in counts.items() if self.kinds[k] == kind) / total if total else 0.0
+
+    def assignments_at(self, t_s: float) -> dict[str, Assignment]:
+        """The assignments in force at virtual time ``t_s`` (returned by the last report <= t_s)."""
+        current = self.steps[0].assignments
+        for step in self.steps:
+            if step.t_s > t_s:
+                break
+            current = step.assignments
+        return current
+
+    @property
+    def final(self) -> dict[str, Assignment]:
+        """The last assignments the policy returned."""
+        return self.steps[-1].assignments
+
+
+def simulate(
+    policy: HogbatchPolicy,
+    workers: Mapping[str, SimWorker],
+    seconds: float,
+    report_every_s: float = 1.0,
+) -> SimResult:
+    """Run ``policy`` against virtual ``workers`` for ``seconds`` of virtual time.
+
+    Asynchronous assignments: each worker runs back-to-back batches of its current batch size
+    (one model update per batch), picking up a new batch size when its next batch starts; a
+    worker the policy dropped stays idle until the policy lists it again. Synchronous
+    assignments: all live workers run one batch per step, the step lasts as long as the
+    slowest, and each worker counts one update per step. Every ``report_every_s`` the live
+    workers report the samples/s they completed in the interval (``loss`` nan) and the policy
+    is updated with the virtual time as ``now_s``. Nothing sleeps; it is arithmetic.
+    """
+    if not _finite(seconds) or seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    if not _finite(report_every_s) or report_every_s <= 0:
+        raise ValueError(f"report_every_s must be > 0, got {report_every_s!r}")
+    if not workers:
+        raise ValueError("simulate needs at least one worker")
+    kinds = {k: w.kind for k, w in workers.items()}
+    assign = policy.initial(list(kinds.items()))
+    steps = [SimStep(0.0, {}, {}, assign)]
+    total_updates = dict.fromkeys(workers, 0)  # cumulative, as workers report them
+    win_updates = dict.fromkeys(workers, 0)  # counts in the current report interval
+    win_samples = dict.fromkeys(workers, 0)
+    win_busy = dict.fromkeys(workers, 0.0)  # busy seconds in the current report interval
+    current = {k: a.batch_size for k, a in assign.items()}  # batch size each worker last ran
+
+    def complete(k: str, batch: int, duration: float) -> None:
+        total_updates[k] += 1
+        win_updates[k] += 1
+        win_samples[k] += batch
+        win_busy[k] += duration
+
+    def report(t: float) -> dict[str, Assignment]:
+        reports = [
+            WorkerReport(k, kinds[k], win_samples[k] / report_every_s, total_updates[k], math.nan,
+                         min(1.0, win_busy[k] / report_every_s), current[k], t)
+            for k, w in workers.items() if w.alive(t)
+        ]
+        out = policy.update(reports, t)
+        steps.append(SimStep(t, dict(win_updates), dict(win_samples), out))
+        for k in workers:
+            win_updates[k], win_samples[k], win_busy[k] = 0, 0, 0.0
+        return out
+
+    next_report = report_every_s
+    if any(a.sync for a in assign.values()):
+        t = 0.0
+        while t < seconds:
+            live = [k for k in assign if workers[k].alive(t)]
+            if not live:
+                break
+            current.update({k: assign[k].batch_size for k in live})
+            times = {k: current[k] / workers[k].speed(current[k], t) for k in live}
+            t += max(times.values())  # the barrier waits for the slowest
+            while next_report <= min(t, seconds):
+                assign = report(next_report)
+                next_report += report_every_s
+            if t > seconds:
+                break
+            for k in live:
+                if workers[k].alive(t):
+                    complete(k, current[k], times[k])
+    else:
+        queue: list[tuple[float, str, int, float]] = []  # (finish time, worker, batch, duration)
+        idle = set(workers)
+
+        def start_idle(t: float) -> None:
+            for k in sorted(idle):
+                if k in assign and workers[k].alive(t):
+                    b = current[k] = assign[k].batch_size
+                    d = b / workers[k].speed(b, t)
+                    heapq.heappush(queue, (t + d, k, b, d))
+                    idle.discard(k)
+
+        start_idle(0.0)
+        while queue:
+            t, k, b, d = heapq.heappop(queue)
+            while next_report <= min(t, seconds):
+                assign = report(next_report)
+                start_idle(next_report)
+                next_report += report_every_s
+            if t > seconds:
+                break
+            idle.add(k)
+            if workers[k].alive(t):  # else it left with this batch in flight: the batch is lost
+                complete(k, b, d)
+            start_idle(t)
+    while next_report <= seconds:
+        assign = report(next_report)
+        next_report += report_every_s
+    return SimResult(kinds, tuple(steps))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_kind(kind: object) -> None:
+    if kind not in WORKER_KINDS:
+        raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
+
+
+def _check_batch(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def update_shares(assignments: Mapping[str, Assignment], speeds: Mapping[str, float], kinds: Mapping[str, str]) -> dict[str, float]:
+    """Forecast fraction of model updates per kind if each worker runs ``speeds[id]`` samples/s
+    at its assigned batch size (update rate = speed / batch)."""
+    rates = {k: speeds[k] / a.batch_size for k, a in assignments.items()}
+    total = sum(rates.values())
+    out: dict[str, float] = dict.fromkeys(sorted(set(kinds.values())), 0.0)
+    for k, r in rates.items():
+        out[kinds[k]] += r / total if total else 0.0
+    return out
+
+
+__all__ = [
+    "WORKER_KINDS", "WorkerReport", "Assignment", "HogbatchPolicy", "SyncSGD", "StaticHogbatch",
+    "AdaptiveHogbatch", "POLICIES", "make_policy", "SimWorker", "SimStep", "SimResult", "simulate", "update_shares",
+]

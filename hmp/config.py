@@ -78,6 +78,7 @@ class TrainConfig:
     batch_size: int = _field(32, "default batch size per worker")
     epochs: int = _field(20, "passes over each worker's data shard (upper bound)")
     target_accuracy: float = _field(0.0, "stop once the test accuracy reaches this (0: run all epochs)")
+    target_loss: float = _field(0.0, "stop once worker 0's test loss falls to this (0: no loss target)")
     max_seconds: float = _field(600.0, "stop the job after this long (seconds)")
     eval_every_s: float = _field(1.0, "how often worker 0 measures test accuracy (seconds)")
     report_interval_s: float = _field(0.5, "how often workers report to the scheduler (seconds)")

@@ -52,6 +52,7 @@ class SchedulerNode(Node):
                                 policy=cfg.train.policy)
         self.policy: BatchPolicy = make_batch_policy(cfg)
         self.best_accuracy = 0.0
+        self.best_test_loss = float("inf")
         plan = ModelPlan.from_config(cfg)
         self.report.placement = plan.report().as_dict()
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
@@ -108,6 +109,9 @@ class SchedulerNode(Node):
         acc = msg.metrics.get("test_accuracy")
         if acc is not None:
             self.best_accuracy = max(self.best_accuracy, acc)
+        test_loss = msg.metrics.get("test_loss")
+        if test_loss is not None:
+            self.best_test_loss = min(self.best_test_loss, test_loss)
         if msg.done:
             m.state = "done"
             self.report.finish_worker(m.id, msg.metrics)
@@ -117,6 +121,8 @@ class SchedulerNode(Node):
             t = self.cfg.train
             if t.target_accuracy and self.best_accuracy >= t.target_accuracy:
                 self.stop_reason = f"target accuracy {t.target_accuracy} reached ({self.best_accuracy:.4f})"
+            elif t.target_loss and self.best_test_loss <= t.target_loss:
+                self.stop_reason = f"target test loss {t.target_loss} reached ({self.best_test_loss:.4f})"
             elif now > t.max_seconds:
                 self.stop_reason = f"time limit of {t.max_seconds} s reached"
             if self.stop_reason:
@@ -163,7 +169,8 @@ class SchedulerNode(Node):
         st = super().status()
         st.update(elapsed_s=self.elapsed(), stop_reason=self.stop_reason, failed=self.job_failed or "",
                   members={m.id: m.state for m in self.members.values()},
-                  workers=self.report.latest(), best_accuracy=self.best_accuracy)
+                  workers=self.report.latest(), best_accuracy=self.best_accuracy,
+                  best_test_loss=self.best_test_loss if self.best_test_loss != float("inf") else None)
         return st
 
     # ---------------------------------------------------------------- loops

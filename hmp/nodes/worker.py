@@ -142,6 +142,23 @@ class WorkerNode(Node):
                 yield ids[pos:pos + self.batch_size]
                 pos += self.batch_size
 
+    def start_clock(self, index: int) -> None:
+        """Training starts now: schedule the first report and (worker 0) evaluation."""
+        t = self.cfg.train
+        self.t_train0 = time.monotonic()
+        self.next_report = self.t_train0 + t.report_interval_s
+        self.next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
+
+    async def tick(self, ps: PSClient, data: Any) -> None:
+        """After each step: evaluate (worker 0) and report to the scheduler when they are due."""
+        now = time.monotonic()
+        if now >= self.next_eval:
+            self.metrics.update(self.evaluate(ps, data))
+            self.next_eval = now + self.cfg.train.eval_every_s
+        if now >= self.next_report:
+            await self.send_report(ps)
+            self.next_report = now + self.cfg.train.report_interval_s
+
     async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:
         if self.node.hogwild_threads > 1 and ps.plan.array is None:
             await self.train_hogwild(ps, data, index, count)
@@ -151,9 +168,7 @@ class WorkerNode(Node):
         if self.device.type != "cpu":
             x, y = x.to(self.device), y.to(self.device)
         t = self.cfg.train
-        self.t_train0 = time.monotonic()
-        next_report = self.t_train0 + t.report_interval_s
-        next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
+        self.start_clock(index)
         self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device),
                       data="first-come-first-served" if self.first_come_first_served else "static slice")
         ema = None
@@ -184,13 +199,7 @@ class WorkerNode(Node):
             self.step += 1
             ema = lv if ema is None else 0.9 * ema + 0.1 * lv
             self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
-            now = time.monotonic()
-            if now >= next_eval:
-                self.metrics.update(self.evaluate(ps, data))
-                next_eval = now + t.eval_every_s
-            if now >= next_report:
-                await self.send_report(ps)
-                next_report = now + t.report_interval_s
+            await self.tick(ps, data)
         self.metrics["epoch"] = t.epochs
         if index == 0:
             self.metrics.update(self.evaluate(ps, data))
@@ -222,10 +231,7 @@ class WorkerNode(Node):
         trainer = HogwildTrainer(ps.model, self.node.hogwild_threads, lr, self.batch_size, F.cross_entropy,
                                  intra_op_threads=1)
         acc = GradientAccumulator.for_model(ps.model)
-        t = self.cfg.train
-        self.t_train0 = time.monotonic()
-        next_report = self.t_train0 + t.report_interval_s
-        next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
+        self.start_clock(index)
         self.log.info("training_hogwild", threads=self.node.hogwild_threads, batch_size=self.batch_size)
         x, y = data.x_train, data.y_train
 
@@ -257,12 +263,6 @@ class WorkerNode(Node):
                 lv = stats.mean_loss
                 prev = self.metrics.get("loss")
                 self.metrics["loss"] = lv if prev != prev else 0.9 * prev + 0.1 * lv
-            now = time.monotonic()
-            if now >= next_eval:
-                self.metrics.update(self.evaluate(ps, data))
-                next_eval = now + t.eval_every_s
-            if now >= next_report:
-                await self.send_report(ps)
-                next_report = now + t.report_interval_s
+            await self.tick(ps, data)
         if index == 0:
             self.metrics.update(self.evaluate(ps, data))

@@ -8,6 +8,7 @@ be told where a chunk lives.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 import torch

@@ -221,3 +221,51 @@ def test_limits_are_enforced():
 def test_every_kind_is_registered():
     """Every Kind has exactly one message class."""
     assert set(MESSAGE_TYPES) == set(Kind)
+
+
+# ----------------------------------------------------------------------------- fast paths
+
+def test_encode_can_override_sender_and_rid():
+    """encode(msg, sender=, rid=) gives the same frames as encoding msg.replace(sender=, rid=)."""
+    msg = Push(sender="W[0]", rid=3, keys=(1,), grads=(torch.ones(2),), version=4)
+    got = [bytes(memoryview(f)) for f in encode(msg, sender="S[1]", rid=99)]
+    want = [bytes(memoryview(f)) for f in encode(msg.replace(sender="S[1]", rid=99))]
+    assert got == want
+    assert decode(got).rid == 99 and decode(got).sender == "S[1]"
+
+
+def test_large_tensor_is_one_frame_and_a_view_by_default():
+    """With the default frame size a 4 MiB tensor is one frame and decodes as a view over it (no copy)."""
+    t = torch.zeros(1 << 20, dtype=torch.float32)
+    frames = encode(Tensors(name="x", tensors=(t,)))
+    assert len(frames) == 2
+    data = bytearray(memoryview(frames[1]))
+    (got,) = decode([frames[0], data]).tensors
+    data[4:8] = np.float32(5.0).tobytes()
+    assert got[1].item() == 5.0
+
+
+def test_tensor_split_over_frames_owns_its_memory():
+    """A tensor assembled from several frames is a copy: later changes to the frames do not reach it."""
+    t = torch.arange(64, dtype=torch.int64)
+    frames = [bytearray(memoryview(f)) for f in encode(Tensors(name="x", tensors=(t,)), frame_bytes=100)]
+    (got,) = decode(frames).tensors
+    frames[1][0:8] = (12345).to_bytes(8, "little")
+    assert torch.equal(got, t)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "match"),
+    [
+        ("pull", {"keys": [1, "x"]}, r"pull\.keys\[1\]: expected int, got str"),
+        ("report", {"metrics": {"a": "x"}}, r"report\.metrics\['a'\]: expected float, got str"),
+        ("welcome", {"heartbeat_interval_s": 1.0, "info": {b"k": 1}}, r"welcome\.info key: expected str, got bytes"),
+        ("assign", {"batch_size": True}, r"assign\.batch_size: expected int, got bool"),
+        ("report", {"metrics": {}, "done": 1}, r"report\.done: expected bool, got int"),
+    ],
+)
+def test_bad_field_values_name_their_path(kind, fields, match):
+    """A wrongly typed header value, also inside a list or map, is refused as bad_field naming where it sits."""
+    with pytest.raises(ProtocolError, match=match) as info:
+        decode([_header(kind=kind, fields=fields)])
+    assert info.value.code == "bad_field"

@@ -141,11 +141,14 @@ class Node:
         self.failed = why
         self.stopping.set()
 
-    async def run(self) -> int:
-        """Serve until stopped; returns the process exit code."""
+    async def run(self, pending_signals: list[int] | None = None) -> int:
+        """Serve until stopped; returns the process exit code. ``pending_signals`` are signals that arrived before
+        the loop took them over (see ``hmp.nodes.main``); they stop the node as soon as it starts."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        for sig in list(pending_signals or ()):
+            self._on_signal(sig)
         self.server = Server(self.node.bind, self.handlers(), name=self.id, limits=self.limits,
                              frame_bytes=self.cfg.limits.frame_bytes)
         await self.server.start()

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-import uvloop
+# Remember SIGTERM/SIGINT that arrive while the daemon is still importing torch or loading data, before its
+# event loop owns the signals; Node.run replays them, so an early stop is as graceful (exit 0) as a late one.
+_early_signals: list[int] = []
 
-from hmp import log as hmp_log
-from hmp.config import env_overrides, load
-from hmp.errors import ConfigError, HmpError
+
+def _remember_signal(sig: int, _frame: object) -> None:
+    _early_signals.append(sig)
+
+
+for _sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(_sig, _remember_signal)
+
+import uvloop  # noqa: E402  (after the handlers above, on purpose)
+
+from hmp import log as hmp_log  # noqa: E402
+from hmp.config import env_overrides, load  # noqa: E402
+from hmp.errors import ConfigError, HmpError  # noqa: E402
 
 
 def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -49,7 +62,7 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         else:
             from hmp.nodes.worker import WorkerNode
             node = WorkerNode(cfg, args.id)
-        return await node.run()
+        return await node.run(pending_signals=_early_signals)
 
     try:
         return uvloop.run(go())

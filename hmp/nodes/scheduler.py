@@ -223,7 +223,10 @@ class SchedulerNode(Node):
         except Exception as exc:
             self.log.exception("final_evaluation_failed")
             final = {"error": f"{exc.__class__.__name__}: {exc}"}
-        self.report.final = {**final, "elapsed_s": self.elapsed(), "stop_reason": self.stop_reason or "epochs done"}
+        # best_reported_accuracy is what the workers measured on their replicas while training (what the stop rule
+        # saw); test_accuracy is the PS parameters at the end, after the updates still in flight when it stopped.
+        self.report.final = {**final, "elapsed_s": self.elapsed(), "stop_reason": self.stop_reason or "epochs done",
+                             "best_reported_accuracy": self.best_accuracy}
         paths = await asyncio.to_thread(write_report, self.report, self.cfg.report_dir)
         self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
                       report=str(paths[0]))

@@ -11,19 +11,24 @@ Zero-copy rules
   must not mutate a tensor until the send that holds its frames has completed (see
   ``Endpoint.send``: ``track=True`` returns a tracker to wait on).
 * ``decode`` returns tensors that are *views over the received frames* when a tensor arrived in
-  one frame (the PS data path keeps every chunk within one frame for this reason). The views are
-  read-only in spirit: they alias the transport's receive buffers. A tensor that arrived split
-  over several frames is assembled into one new buffer: the frames are separate allocations, and
-  one contiguous tensor cannot view them all (this is the only copy on the receive side).
+  one frame. The default ``frame_bytes`` (1 GiB, the default message limit) keeps every tensor in
+  one frame, so the receive side copies nothing. The views are read-only in spirit: they alias the
+  transport's receive buffers. A tensor that arrived split over several frames is assembled into
+  one new buffer: the frames are separate allocations, and one contiguous tensor cannot view them
+  all (this is the only copy on the receive side).
 * ``decode`` raises only :class:`~hmp.errors.ProtocolError`, whatever bytes it is given.
+
+Speed: the per-kind schema (field checkers, tensor fields) is compiled once at import, so encoding
+or decoding a small control message costs a few microseconds (see bench/transport.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -37,7 +42,12 @@ from hmp.messages import MESSAGE_TYPES, PROTOCOL_VERSION, SCHEMAS, FieldSpec, Ki
 # documented as read-only, so the warning carries no information here.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-DEFAULT_FRAME_BYTES = 1 << 20
+#: Tensors up to this many bytes travel in one frame and are decoded as views (no copy). As large
+#: as the default message limit on purpose: a tensor cut into frames must be copied back together
+#: by the receiver, ~8-13 ms per 64 MiB here, a third of the transfer itself. The one reason for
+#: small (~1 MiB) frames is a receiver without ``endpoint.tune_malloc()``: there libzmq's buffer
+#: for any frame over 32 MiB is a fresh mmap that faults in page by page (bench/transport.py).
+DEFAULT_FRAME_BYTES = 1 << 30
 
 #: wire dtype name -> torch dtype. bfloat16 has no numpy twin and travels as its raw bytes.
 DTYPES: dict[str, torch.dtype] = {
@@ -46,6 +56,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64,
 }
 _WIRE_NAME = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
 HEADER_KEYS = frozenset({"version", "kind", "sender", "rid", "fields", "tensors"})
 TENSOR_KEYS = frozenset({"field", "dtype", "shape", "frames"})
 MAX_RID = (1 << 64) - 1
@@ -66,6 +77,141 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+# ----------------------------------------------------------------------------- compiled schema
+
+class _Mismatch(Exception):
+    """A header value of the wrong type; ``path`` grows as it unwinds through containers.
+
+    Internal: the where-string is only built when a value is wrong, not for every field."""
+
+    def __init__(self, ann: Any, value: Any) -> None:
+        self.ann, self.value, self.path = ann, value, ""
+
+
+#: check(value, limits) -> the value as the dataclass wants it; raises _Mismatch.
+Checker = Callable[[Any, Limits], Any]
+
+
+def _any(value: Any, limits: Limits) -> Any:
+    return value
+
+
+def _checker(ann: Any) -> Checker:
+    """Compile a field annotation into a checker (done once per field at import)."""
+    origin = getattr(ann, "__origin__", None)
+    if ann is Any:
+        return _any
+    if ann is bool:
+        def check_bool(value: Any, limits: Limits) -> Any:
+            if value is True or value is False:
+                return value
+            raise _Mismatch(ann, value)
+        return check_bool
+    if ann is int:
+        def check_int(value: Any, limits: Limits) -> Any:
+            if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
+                return value
+            raise _Mismatch(ann, value)
+        return check_int
+    if ann is float:
+        def check_float(value: Any, limits: Limits) -> Any:
+            if type(value) is float:
+                return value
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise _Mismatch(ann, value)
+        return check_float
+    if ann is str:
+        def check_str(value: Any, limits: Limits) -> Any:
+            if isinstance(value, str) and len(value) <= limits.max_string:
+                return value
+            raise _Mismatch(ann, value)
+        return check_str
+    if origin is tuple:
+        item_ann = ann.__args__[0]
+        item = _checker(item_ann)
+
+        def check_tuple(value: Any, limits: Limits) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise _Mismatch(ann, value)
+            if item_ann is int and all(type(v) is int for v in value):  # the common case: keys
+                return tuple(value)
+            out = []
+            for i, v in enumerate(value):
+                try:
+                    out.append(item(v, limits))
+                except _Mismatch as exc:
+                    exc.path = f"[{i}]{exc.path}"
+                    raise
+            return tuple(out)
+        return check_tuple
+    if origin is dict:
+        key, val = (_checker(a) for a in ann.__args__)
+
+        def check_dict(value: Any, limits: Limits) -> Any:
+            if not isinstance(value, dict):
+                raise _Mismatch(ann, value)
+            out = {}
+            for k, v in value.items():
+                try:
+                    ck = key(k, limits)
+                except _Mismatch as exc:
+                    exc.path = f" key{exc.path}"
+                    raise
+                try:
+                    out[ck] = val(v, limits)
+                except _Mismatch as exc:
+                    exc.path = f"[{k!r}]{exc.path}"
+                    raise
+            return out
+        return check_dict
+
+    def check_unknown(value: Any, limits: Limits) -> Any:
+        raise _Mismatch(ann, value)
+    return check_unknown
+
+
+def _field_error(where: str, exc: _Mismatch) -> ProtocolError:
+    name = getattr(exc.ann, "__name__", str(exc.ann))
+    return ProtocolError(f"{where}{exc.path}: expected {name}, got {type(exc.value).__name__}", "bad_field")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Schema:
+    """One kind's wire schema, compiled from its dataclass annotations."""
+
+    kind: Kind
+    wire: str  #: the kind's wire name (``kind.value``; enum attribute access is slow)
+    cls: type[Message]
+    specs: dict[str, FieldSpec]
+    scalars: tuple[str, ...]  #: header fields, in declaration order
+    checkers: dict[str, Checker]  #: scalar field name -> checker
+    required: tuple[str, ...]  #: required scalar fields
+    tensor_fields: tuple[FieldSpec, ...]
+
+
+def _compile(kind: Kind) -> _Schema:
+    specs = SCHEMAS[kind]
+    return _Schema(kind=kind, wire=kind.value, cls=MESSAGE_TYPES[kind], specs={s.name: s for s in specs},
+                   scalars=tuple(s.name for s in specs if not s.tensor),
+                   checkers={s.name: _checker(s.annotation) for s in specs if not s.tensor},
+                   required=tuple(s.name for s in specs if not s.tensor and s.required),
+                   tensor_fields=tuple(s for s in specs if s.tensor))
+
+
+# Looked up by wire name (decode) and by message class (encode): both hash faster than an Enum.
+_BY_WIRE: dict[str, _Schema] = {k.value: _compile(k) for k in Kind}
+_BY_CLASS: dict[type, _Schema] = {s.cls: s for s in _BY_WIRE.values()}
+
+
+def _check_value(value: Any, ann: Any, where: str, limits: Limits) -> Any:
+    """Check a header value against a field annotation; returns it as the dataclass wants it."""
+    try:
+        return _checker(ann)(value, limits)
+    except _Mismatch as exc:
+        raise _field_error(where, exc) from None
+
+
 # ----------------------------------------------------------------------------- encode
 
 def _as_tensor(value: Any, where: str) -> torch.Tensor:
@@ -76,7 +222,7 @@ def _as_tensor(value: Any, where: str) -> torch.Tensor:
         value = torch.from_numpy(np.ascontiguousarray(value))
     if not isinstance(value, torch.Tensor):
         raise ProtocolError(f"{where}: expected a tensor, got {type(value).__name__}", "bad_field")
-    if value.device.type != "cpu":
+    if not value.is_cpu:
         raise ProtocolError(f"{where}: tensor on {value.device}; move it to the CPU explicitly before sending",
                             "bad_device")
     if value.dtype not in _WIRE_NAME:
@@ -91,70 +237,64 @@ def _frames_of(t: torch.Tensor, frame_bytes: int) -> list[memoryview]:
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return []
+    if t.dim() != 1:
+        t = t.reshape(-1)  # a view: t is contiguous
+    if t.dtype is torch.bfloat16:
+        t = t.view(torch.int16)  # same bytes; numpy has no bfloat16
     # A byte view of the tensor's own storage; the numpy array keeps the tensor alive.
-    whole = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    whole = memoryview(t.numpy()).cast("B")
+    if nbytes <= frame_bytes:
+        return [whole]
     return [whole[i:i + frame_bytes] for i in range(0, nbytes, frame_bytes)]
 
 
-def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES) -> list[Any]:
-    """Encode ``msg`` as ``[header, *tensor frames]`` without copying tensor payloads."""
+class _Packers(threading.local):
+    """One reusable msgpack Packer per thread (a Packer is not thread-safe; making one per call
+    costs more than packing a control message)."""
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(use_bin_type=True)
+
+
+_packers = _Packers()
+
+
+def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str | None = None,
+           rid: int | None = None) -> list[Any]:
+    """Encode ``msg`` as ``[header, *tensor frames]`` without copying tensor payloads.
+
+    ``sender`` and ``rid``, when given, replace the message's own in the header (what
+    ``msg.replace(sender=..., rid=...)`` would do, without building a new message).
+    """
     if frame_bytes <= 0:
         raise ValueError("frame_bytes must be positive")
-    fields: dict[str, Any] = {}
+    schema = _BY_CLASS.get(type(msg)) or _BY_WIRE[msg.kind.value]
+    # msgpack packs tuples as arrays, so scalar values go in as they are.
+    fields = {name: getattr(msg, name) for name in schema.scalars}
     descs: list[dict[str, Any]] = []
     frames: list[Any] = []
-    for spec in SCHEMAS[msg.kind]:
+    for spec in schema.tensor_fields:
         value = getattr(msg, spec.name)
-        if not spec.tensor:
-            fields[spec.name] = list(value) if isinstance(value, tuple) else value
-            continue
         values = value if spec.many else (value,)
         if spec.many and not isinstance(values, (tuple, list)):
-            raise ProtocolError(f"{msg.kind.value}.{spec.name}: expected a sequence of tensors", "bad_field")
+            raise ProtocolError(f"{schema.wire}.{spec.name}: expected a sequence of tensors", "bad_field")
         for i, v in enumerate(values):
-            t = _as_tensor(v, f"{msg.kind.value}.{spec.name}[{i}]")
+            t = _as_tensor(v, f"{schema.wire}.{spec.name}[{i}]")
             parts = _frames_of(t, frame_bytes)
             descs.append({"field": spec.name, "dtype": _WIRE_NAME[t.dtype], "shape": list(t.shape),
                           "frames": len(parts)})
             frames.extend(parts)
-    header = {"version": PROTOCOL_VERSION, "kind": msg.kind.value, "sender": msg.sender, "rid": msg.rid,
+    header = {"version": PROTOCOL_VERSION, "kind": schema.wire,
+              "sender": msg.sender if sender is None else sender, "rid": msg.rid if rid is None else rid,
               "fields": fields, "tensors": descs}
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    return [_packers.packer.pack(header), *frames]
 
 
 # ----------------------------------------------------------------------------- decode
 
-def _check_value(value: Any, ann: Any, where: str, limits: Limits) -> Any:
-    """Check a header value against a field annotation; returns it as the dataclass wants it."""
-    origin = getattr(ann, "__origin__", None)
-    if ann is Any:
-        return value
-    if ann is bool:
-        if isinstance(value, bool):
-            return value
-    elif ann is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif ann is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif ann is str:
-        if isinstance(value, str) and len(value) <= limits.max_string:
-            return value
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            item = ann.__args__[0]
-            return tuple(_check_value(v, item, f"{where}[{i}]", limits) for i, v in enumerate(value))
-    elif origin is dict:
-        if isinstance(value, dict):
-            kt, vt = ann.__args__
-            return {_check_value(k, kt, f"{where} key", limits): _check_value(v, vt, f"{where}[{k!r}]", limits)
-                    for k, v in value.items()}
-    name = getattr(ann, "__name__", str(ann))
-    raise ProtocolError(f"{where}: expected {name}, got {type(value).__name__}", "bad_field")
-
-
 def _buffer(frame: Any) -> memoryview:
+    if type(frame) is bytes:  # the header, as the endpoints receive it: skip the attribute probe
+        return memoryview(frame)
     # zmq.Frame exposes .buffer; bytes, bytearray and memoryview are buffers themselves.
     buf = getattr(frame, "buffer", frame)
     try:
@@ -177,18 +317,17 @@ def decode_header(frame0: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any
         raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
-    if set(header) != HEADER_KEYS:
-        missing, extra = sorted(HEADER_KEYS - set(header)), sorted(set(header) - HEADER_KEYS)
+    if header.keys() != HEADER_KEYS:
+        missing, extra = sorted(HEADER_KEYS - set(header)), sorted(set(header) - HEADER_KEYS, key=str)
         raise ProtocolError(f"header keys: missing {missing}, unexpected {extra}")
     if header["version"] != PROTOCOL_VERSION or isinstance(header["version"], bool):
         raise ProtocolError(f"protocol version {header['version']!r} not supported; expected {PROTOCOL_VERSION}",
                             "bad_version")
-    if not isinstance(header["kind"], str):
+    kind = header["kind"]
+    if not isinstance(kind, str):
         raise ProtocolError("header.kind must be a string")
-    try:
-        Kind(header["kind"])
-    except ValueError:
-        raise ProtocolError(f"unknown kind {header['kind'][:64]!r}", "unknown_kind") from None
+    if kind not in _BY_WIRE:
+        raise ProtocolError(f"unknown kind {kind[:64]!r}", "unknown_kind")
     rid = header["rid"]
     if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= MAX_RID:
         raise ProtocolError("header.rid must be an unsigned 64-bit integer")
@@ -207,15 +346,17 @@ def _view(frames: Sequence[memoryview], dtype: torch.dtype, shape: list[int], nb
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if len(frames) == 1:
-        return torch.frombuffer(frames[0], dtype=dtype).view(shape)  # a view: no copy
-    # Split over several frames (separate allocations): assemble once into one buffer.
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    dst = out.numpy()
+        flat = torch.frombuffer(frames[0], dtype=dtype)  # a view: no copy
+        return flat if len(shape) == 1 else flat.view(shape)
+    # Split over several frames (separate allocations): assemble once into one buffer. numpy's
+    # allocator asks the kernel for transparent huge pages on buffers this large, so first touch
+    # costs ~512x fewer page faults than torch.empty's 4 KiB pages (64 MiB: ~13 ms vs ~32 ms here).
+    out = np.empty(nbytes, dtype=np.uint8)
     pos = 0
     for f in frames:
-        dst[pos:pos + len(f)] = np.frombuffer(f, dtype=np.uint8)
+        out[pos:pos + len(f)] = np.frombuffer(f, dtype=np.uint8)
         pos += len(f)
-    return out.view(dtype).view(shape)
+    return torch.from_numpy(out).view(dtype).view(shape)
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -234,31 +375,44 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     if len(frames) - 1 > limits.max_frames:
         raise ProtocolError(f"{len(frames) - 1} data frames exceed the limit of {limits.max_frames}", "too_large")
     header = decode_header(frames[0], limits)
-    kind = Kind(header["kind"])
-    schema: dict[str, FieldSpec] = {s.name: s for s in SCHEMAS[kind]}
-    data = [_buffer(f) for f in frames[1:]]
+    schema = _BY_WIRE[header["kind"]]
+    wire = schema.wire
 
     values: dict[str, Any] = {"sender": header["sender"], "rid": header["rid"]}
-    fields = header["fields"]
-    for name, value in fields.items():
-        spec = schema.get(name) if isinstance(name, str) else None
-        if spec is None or spec.tensor:
-            raise ProtocolError(f"{kind.value}: unexpected field {str(name)[:64]!r}", "bad_field")
-        values[name] = _check_value(value, spec.annotation, f"{kind.value}.{name}", limits)
+    checkers = schema.checkers
+    for name, value in header["fields"].items():
+        check = checkers.get(name) if isinstance(name, str) else None
+        if check is None:
+            raise ProtocolError(f"{wire}: unexpected field {str(name)[:64]!r}", "bad_field")
+        try:
+            values[name] = check(value, limits)
+        except _Mismatch as exc:
+            raise _field_error(f"{wire}.{name}", exc) from None
+    for name in schema.required:
+        if name not in values:
+            raise ProtocolError(f"{wire}: missing field {name!r}", "bad_field")
 
+    descs = header["tensors"]
+    if not descs and not schema.tensor_fields:
+        if len(frames) > 1:
+            raise ProtocolError(f"{len(frames) - 1} data frames not described by the header")
+        return schema.cls(**values)
+
+    data = [_buffer(f) for f in frames[1:]]
     tensors: dict[str, list[torch.Tensor]] = {}
     pos = 0
     total = 0
-    for i, desc in enumerate(header["tensors"]):
-        where = f"{kind.value}.tensors[{i}]"
-        if not isinstance(desc, dict) or set(desc) != TENSOR_KEYS:
+    for i, desc in enumerate(descs):
+        where = f"{wire}.tensors[{i}]"
+        if not isinstance(desc, dict) or desc.keys() != TENSOR_KEYS:
             raise ProtocolError(f"{where}: expected a map with keys {sorted(TENSOR_KEYS)}")
-        spec = schema.get(desc["field"]) if isinstance(desc["field"], str) else None
+        spec = schema.specs.get(desc["field"]) if isinstance(desc["field"], str) else None
         if spec is None or not spec.tensor:
-            raise ProtocolError(f"{where}: {desc['field']!r} is not a tensor field of {kind.value}", "bad_field")
-        dtype = DTYPES.get(desc["dtype"]) if isinstance(desc["dtype"], str) else None
+            raise ProtocolError(f"{where}: {desc['field']!r} is not a tensor field of {wire}", "bad_field")
+        wire_dtype = desc["dtype"]
+        dtype = DTYPES.get(wire_dtype) if isinstance(wire_dtype, str) else None
         if dtype is None:
-            raise ProtocolError(f"{where}: unknown dtype {desc['dtype']!r}; expected one of {sorted(DTYPES)}",
+            raise ProtocolError(f"{where}: unknown dtype {wire_dtype!r}; expected one of {sorted(DTYPES)}",
                                 "bad_dtype")
         shape = desc["shape"]
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
@@ -269,7 +423,7 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
         nframes = desc["frames"]
         if not isinstance(nframes, int) or isinstance(nframes, bool) or nframes < 0:
             raise ProtocolError(f"{where}: frames must be a non-negative integer")
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * _ITEMSIZE[wire_dtype]
         total += nbytes
         if total > limits.max_message_bytes:
             raise ProtocolError(f"tensor bytes exceed the limit of {limits.max_message_bytes}", "too_large")
@@ -280,24 +434,21 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
         got = sum(len(p) for p in parts)
         if got != nbytes or (nbytes > 0) != (nframes > 0):
             raise ProtocolError(f"{where}: {got} bytes in {nframes} frames, expected {nbytes} for "
-                                f"{desc['dtype']}{shape}")
+                                f"{wire_dtype}{shape}")
         tensors.setdefault(spec.name, []).append(_view(parts, dtype, shape, nbytes))
     if pos != len(data):
         raise ProtocolError(f"{len(data) - pos} data frames not described by the header")
 
-    for spec in schema.values():
-        if spec.tensor:
-            got_t = tensors.get(spec.name, [])
-            if spec.many:
-                values[spec.name] = tuple(got_t)
-            elif len(got_t) == 1:
-                values[spec.name] = got_t[0]
-            elif got_t or spec.required:
-                raise ProtocolError(f"{kind.value}.{spec.name}: expected exactly one tensor, got {len(got_t)}",
-                                    "bad_field")
-        elif spec.required and spec.name not in values:
-            raise ProtocolError(f"{kind.value}: missing field {spec.name!r}", "bad_field")
-    return MESSAGE_TYPES[kind](**values)
+    for spec in schema.tensor_fields:
+        got_t = tensors.get(spec.name, [])
+        if spec.many:
+            values[spec.name] = tuple(got_t)
+        elif len(got_t) == 1:
+            values[spec.name] = got_t[0]
+        elif got_t or spec.required:
+            raise ProtocolError(f"{wire}.{spec.name}: expected exactly one tensor, got {len(got_t)}",
+                                "bad_field")
+    return schema.cls(**values)
 
 
 def frame_error_rid(frames: Sequence[Any]) -> int:

@@ -1,0 +1,298 @@
+"""Fused optimizers: one optimizer steps all B members, each with its own hyper-parameters.
+
+Every parameter must have the member dimension first (``[B, *]``, as every fused operator's
+parameters do). A per-member hyper-parameter (``lr``, ``momentum``, ``dampening``,
+``weight_decay``, ``betas``, ``eps``) is given either as one value for all members or as a
+sequence of B values; it is kept in ``param_groups`` as a list of B values, which is what the
+fused LR schedulers edit. Where all members share a value the update uses a plain scalar (the
+same kernels as torch's own optimizer); where they differ, a ``[B, 1, ..., 1]`` tensor.
+
+Member b's update is exactly torch's (``torch.optim.SGD``/``Adam``/``AdamW``, single-tensor
+path) with member b's hyper-parameters, up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from numbers import Real
+
+import torch
+
+Coef = float | torch.Tensor
+
+
+def _per_member(name: str, value, B: int, pair: bool = False) -> list:
+    """``value`` (one value, or B values) as a list of B values; a pair for ``betas``."""
+    def is_one(v) -> bool:
+        if pair:
+            return isinstance(v, Sequence) and len(v) == 2 and all(isinstance(x, Real) for x in v)
+        return isinstance(v, Real) and not isinstance(v, bool)
+
+    if is_one(value):
+        values = [tuple(float(x) for x in value) if pair else float(value)] * B
+    elif isinstance(value, Sequence) and not isinstance(value, str) and all(is_one(v) for v in value):
+        values = [tuple(float(x) for x in v) if pair else float(v) for v in value]
+    else:
+        kind = "a pair of numbers" if pair else "a number"
+        raise ValueError(f"{name} must be {kind} or a sequence of B={B} of them, got {value!r}")
+    if len(values) != B:
+        raise ValueError(f"{name} has {len(values)} values, expected one per member (B={B})")
+    return values
+
+
+class _Coefs:
+    """Per-member coefficients shaped to broadcast over parameters: a float when all members
+    agree (torch's own scalar kernels), else a ``[B, 1, ..., 1]`` tensor. The ``[B]`` tensors
+    are cached by value, so a step does not rebuild them (only a scheduler's change does)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._limit = limit
+
+    def __call__(self, values: Sequence[float], p: torch.Tensor) -> Coef:
+        first = values[0]
+        if all(v == first for v in values):
+            return float(first)
+        key = (tuple(values), p.dtype, p.device)
+        t = self._cache.get(key)
+        if t is None:
+            if len(self._cache) >= self._limit:  # a schedule changes values every epoch
+                self._cache.clear()
+            t = self._cache[key] = torch.tensor(values, dtype=p.dtype, device=p.device)
+        return t.view((len(values),) + (1,) * (p.dim() - 1))
+
+
+def _is_zero(c: Coef) -> bool:
+    return isinstance(c, float) and c == 0.0
+
+
+def _add_scaled(y: torch.Tensor, x: torch.Tensor, a: Coef, inplace: bool = False) -> torch.Tensor:
+    """``y + a * x`` (in place into ``y`` when ``inplace``), ``a`` a float or a tensor."""
+    if isinstance(a, float):
+        return y.add_(x, alpha=a) if inplace else y.add(x, alpha=a)
+    return y.addcmul_(x, a) if inplace else torch.addcmul(y, x, a)
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery: B, normalising per-member hyper-parameters, checking parameter shapes."""
+
+    _per_member_keys: tuple[str, ...] = ()
+    _pair_keys: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict, B: int | None) -> None:
+        params = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
+        if B is None:  # infer from the leading dimension of the first parameter
+            first = params[0]["params"] if params and isinstance(params[0], dict) else params
+            if not first or first[0].dim() == 0:
+                raise ValueError("cannot infer B from an empty parameter list or a scalar parameter; pass B=")
+            B = int(first[0].shape[0])
+        if not isinstance(B, int) or B < 1:
+            raise ValueError(f"B must be an int >= 1, got {B!r}")
+        self.B = B
+        self._coefs = _Coefs()
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.dim() == 0 or p.shape[0] != self.B:
+                raise ValueError(f"every fused parameter needs the member dimension first "
+                                 f"([B={self.B}, *]), got a parameter of shape {tuple(p.shape)}")
+        for key in self._per_member_keys:
+            group[key] = _per_member(key, group[key], self.B, pair=key in self._pair_keys)
+        self._check_group(group)
+
+    def _check_group(self, group: dict) -> None:
+        pass
+
+    def member_hparams(self, b: int, group: int = 0) -> dict:
+        """Member b's hyper-parameters in ``param_groups[group]`` as plain torch-style values."""
+        g = self.param_groups[group]
+        return {k: (g[k][b] if k in self._per_member_keys else g[k])
+                for k in g if k != "params"}
+
+
+class FusedSGD(_FusedOptimizer):
+    """``torch.optim.SGD`` for B members: ``lr``, ``momentum``, ``dampening`` and
+    ``weight_decay`` per member; ``nesterov`` and ``maximize`` shared."""
+
+    _per_member_keys = ("lr", "momentum", "dampening", "weight_decay")
+
+    def __init__(self, params: Iterable, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov: bool = False, *, maximize: bool = False, B: int | None = None) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, B)
+
+    def _check_group(self, group: dict) -> None:
+        for key in ("lr", "momentum", "weight_decay"):
+            if any(v < 0 for v in group[key]):
+                raise ValueError(f"SGD {key} must be >= 0 for every member, got {group[key]}")
+        if group["nesterov"] and any(m <= 0 or d != 0 for m, d in zip(group["momentum"], group["dampening"])):
+            raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0 in every member")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SGD step for every member; returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            use_momentum = any(m != 0 for m in momentum)
+            # torch skips momentum for a member with momentum 0; with buf = 0*buf + 1*g the
+            # shared buffer gives that member exactly g, so its dampening must count as 0.
+            dampening = [0.0 if m == 0 else d for m, d in zip(momentum, group["dampening"])]
+            keep = [1.0 - d for d in dampening]
+            neg_lr = [-v for v in group["lr"]]
+            c = self._coefs
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = -p.grad if group["maximize"] else p.grad
+                wd = c(group["weight_decay"], p)
+                if not _is_zero(wd):
+                    g = _add_scaled(g, p, wd)
+                if use_momentum:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    m = c(momentum, p)
+                    if buf is None:
+                        buf = state["momentum_buffer"] = g.clone().detach()
+                    else:
+                        k = c(keep, p)
+                        if isinstance(m, float) and k == 1.0:
+                            torch.add(g, buf, alpha=m, out=buf)  # buf = m*buf + g in one pass
+                        else:
+                            buf.mul_(m)
+                            _add_scaled(buf, g, k, inplace=True)
+                    g = _add_scaled(g, buf, m) if group["nesterov"] else buf
+                _add_scaled(p, g, c(neg_lr, p), inplace=True)
+        return loss
+
+
+class FusedAdam(_FusedOptimizer):
+    """``torch.optim.Adam`` for B members: ``lr``, ``betas``, ``eps`` and ``weight_decay`` per
+    member; ``amsgrad``, ``maximize`` and ``decoupled_weight_decay`` (AdamW) shared."""
+
+    _per_member_keys = ("lr", "betas", "eps", "weight_decay")
+    _pair_keys = ("betas",)
+
+    def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad: bool = False, *, maximize: bool = False,
+                 decoupled_weight_decay: bool = False, B: int | None = None) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults, B)
+
+    def _check_group(self, group: dict) -> None:
+        for key in ("lr", "eps", "weight_decay"):
+            if any(v < 0 for v in group[key]):
+                raise ValueError(f"Adam {key} must be >= 0 for every member, got {group[key]}")
+        if any(not (0 <= b1 < 1 and 0 <= b2 < 1) for b1, b2 in group["betas"]):
+            raise ValueError(f"Adam betas must lie in [0, 1) for every member, got {group['betas']}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Adam(W) step for every member; returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            beta1 = [b[0] for b in group["betas"]]
+            beta2 = [b[1] for b in group["betas"]]
+            one_minus_b1 = [1.0 - b for b in beta1]
+            one_minus_b2_values = [1.0 - b for b in beta2]
+            decay = [1.0 - a * w for a, w in zip(lr, wd)]
+            use_wd = any(v != 0 for v in wd)
+            c = self._coefs
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = -p.grad if group["maximize"] else p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = state["step"]
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+
+                if use_wd:
+                    if group["decoupled_weight_decay"]:
+                        p.mul_(c(decay, p))
+                    else:
+                        g = _add_scaled(g, p, c(wd, p))
+                exp_avg.lerp_(g, c(one_minus_b1, p))
+                exp_avg_sq.mul_(c(beta2, p))
+                one_minus_b2 = c(one_minus_b2_values, p)
+                if isinstance(one_minus_b2, float):
+                    exp_avg_sq.addcmul_(g, g, value=one_minus_b2)
+                else:
+                    exp_avg_sq.addcmul_(g * one_minus_b2, g)
+                # bias corrections in double precision per member, as torch computes them
+                step_size = [a / (1 - b**step) for a, b in zip(lr, beta1)]
+                bc2_sqrt = [math.sqrt(1 - b**step) for b in beta2]
+                if group["amsgrad"]:
+                    torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+                    second = state["max_exp_avg_sq"]
+                else:
+                    second = exp_avg_sq
+                denom = second.sqrt().div_(c(bc2_sqrt, p)).add_(c(eps, p))
+                neg_step = c([-s for s in step_size], p)
+                if isinstance(neg_step, float):
+                    p.addcdiv_(exp_avg, denom, value=neg_step)
+                else:
+                    p.addcmul_(exp_avg / denom, neg_step)
+        return loss
+
+
+class FusedAdamW(FusedAdam):
+    """``torch.optim.AdamW`` for B members (Adam with decoupled weight decay, default 1e-2)."""
+
+    def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad: bool = False, *, maximize: bool = False, B: int | None = None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True, B=B)
+
+
+OPTIMIZERS: dict[str, type[_FusedOptimizer]] = {"sgd": FusedSGD, "adam": FusedAdam, "adamw": FusedAdamW}
+"""Fused optimizers by the name a settings file uses."""
+
+
+def make_optimizer(name: str, params: Iterable, settings: Sequence[dict]) -> _FusedOptimizer:
+    """The fused optimizer ``name`` over ``params`` with member b's hyper-parameters taken from
+    ``settings[b]`` (keys as in torch: ``lr``, ``momentum``, ``betas``, ...; a missing key takes
+    torch's default). Shared options (``nesterov``, ``amsgrad``, ``maximize``) must agree."""
+    try:
+        cls = OPTIMIZERS[name.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown fused optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}") from None
+    B = len(settings)
+    if B < 1:
+        raise ValueError("settings must hold one dict per member, got none")
+    import inspect
+
+    sig = inspect.signature(cls.__init__)
+    allowed = [k for k in sig.parameters if k not in ("self", "params", "B")]
+    kwargs: dict = {}
+    for key in sorted({k for s in settings for k in s}):
+        if key not in allowed:
+            raise ValueError(f"unknown hyper-parameter {key!r} for fused {name}; expected some of {allowed}")
+        default = sig.parameters[key].default
+        values = [s.get(key, default) for s in settings]
+        if key in cls._per_member_keys:
+            kwargs[key] = values
+        elif any(v != values[0] for v in values):
+            raise ValueError(f"{key} must be the same in every member (it is not per-member), got {values}")
+        else:
+            kwargs[key] = values[0]
+    return cls(params, B=B, **kwargs)

@@ -19,6 +19,8 @@ from hmp.errors import ConfigError
 ROLES = ("scheduler", "ps", "cpu_worker", "gpu_worker")
 WORKER_ROLES = ("cpu_worker", "gpu_worker")
 CONSISTENCY = ("async", "sync", "ssp")
+#: hmp.sched.placement.registry.PLANNERS' names (not imported here: the registry imports torch)
+PLANNER_NAMES = ("bruteforce", "greedy", "random", "ga", "rl")
 
 
 def _field(default: Any, help: str, **kw: Any) -> Any:
@@ -40,6 +42,8 @@ class NodeConfig:
     batch_size: int = _field(0, "workers: initial batch size; 0 takes [train] batch_size")
     threads: int = _field(1, "torch intra-op threads for this process (daemons share the cores)")
     hogwild_threads: int = _field(1, "cpu_worker: lock-free training threads on the local replica")
+    resource: str = _field("", "workers, [placement] jobs: the resource type this worker is (a [placement] "
+                               "resources name); empty: its role")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +100,10 @@ class PSConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LimitsConfig:
-    frame_bytes: int = _field(1 << 20, "tensors are cut into frames of at most this many bytes")
+    frame_bytes: int = _field(1 << 26, "tensors are cut into frames of at most this many bytes; a tensor in one "
+                                       "frame is received as a view, a split one is copied together once")
+    tune_malloc: bool = _field(True, "daemons keep freed receive buffers mapped (glibc mallopt) so large frames "
+                                     "do not page-fault; see hmp.transport.endpoint.tune_malloc")
     max_frames: int = _field(4096, "data frames per message")
     max_message_bytes: int = _field(1 << 30, "tensor bytes per message")
     max_rank: int = _field(8, "tensor rank")
@@ -108,6 +115,26 @@ class SweepConfig:
     members: list = _field([], "HFTA sweep: one table of optimizer settings per member (lr, momentum, "
                                "weight_decay, betas, ...); empty: not a sweep job")
     optimizer: str = _field("sgd", "sweep: fused optimizer of the members (sgd | adam | adamw)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    enabled: bool = _field(False, "run the job as a planned pipeline of stages (docs/pipeline.md)")
+    planner: str = _field("bruteforce", "planner name in hmp.sched.placement.registry (bruteforce, greedy, "
+                                        "random, ga, rl)")
+    resources: list = _field([], "resource types: tables with name, price_per_hour, speed_scale (number or "
+                                 "{kind: factor}), measured (bool); the count is the joined workers of the type")
+    bandwidth_bytes_per_s: float = _field(1e9, "link bandwidth between stages the cost model assumes")
+    min_throughput: float = _field(100.0, "samples/s the planned pipeline must sustain")
+    micro_batches: int = _field(4, "micro-batches per step (GPipe fill/drain); a stage uses at most this many "
+                                   "workers")
+    min_gain: float = _field(0.1, "re-planning keeps the running plan unless the new one is cheaper by this "
+                                  "fraction")
+    profile_repeats: int = _field(5, "timed forward+backward passes per layer when profiling")
+    join_wait_s: float = _field(10.0, "after the first worker joins, plan once every worker has joined or "
+                                      "after this long")
+    use_spare_workers: bool = _field(True, "workers the plan does not need join the busiest stage of their "
+                                           "type (data parallel within the stage)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +160,7 @@ class Config:
     limits: LimitsConfig
     sweep: SweepConfig
     nodes: tuple[NodeConfig, ...]
+    placement: PlacementConfig = PlacementConfig()
 
     def node(self, node_id: str) -> NodeConfig:
         for n in self.nodes:
@@ -170,7 +198,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                              "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
-                             "sweep": SweepConfig}
+                             "sweep": SweepConfig, "placement": PlacementConfig}
 
 
 def _type_name(t: Any) -> str:
@@ -306,6 +334,62 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "limits.frame_bytes", "an integer >= 64")
     if cfg.job.log_format not in ("auto", "console", "json"):
         raise ConfigError(p, "job.log_format", "one of ['auto', 'console', 'json']")
+    _validate_placement(cfg)
+
+
+_RESOURCE_KEYS = {"name": str, "price_per_hour": (int, float), "speed_scale": (int, float, dict), "measured": bool}
+
+
+def _validate_placement(cfg: Config) -> None:
+    """[placement]: resource tables well-formed, every worker's resource type declared."""
+    p, pl = cfg.path, cfg.placement
+    if not pl.enabled:
+        return
+    if cfg.sweep.members:
+        raise ConfigError(p, "placement.enabled", "false for a [sweep] job")
+    if not pl.resources:
+        raise ConfigError(p, "placement.resources", "at least one resource table when placement is enabled")
+    names: list[str] = []
+    for i, r in enumerate(pl.resources):
+        k = f"placement.resources[{i}]"
+        if not isinstance(r, dict):
+            raise ConfigError(p, k, "a table with name, price_per_hour, speed_scale, measured")
+        for key, value in r.items():
+            typ = _RESOURCE_KEYS.get(key)
+            if typ is None:
+                raise ConfigError(p, f"{k}.{key}", f"unknown key; expected one of {sorted(_RESOURCE_KEYS)}")
+            if not isinstance(value, typ) or (typ != bool and isinstance(value, bool)):
+                raise ConfigError(p, f"{k}.{key}", f"expected {key} of type {typ}, got {value!r}")
+        if not r.get("name"):
+            raise ConfigError(p, f"{k}.name", "a non-empty resource type name")
+        if r["name"] in names:
+            raise ConfigError(p, f"{k}.name", f"a unique name; {r['name']!r} appears twice")
+        names.append(r["name"])
+        if r.get("price_per_hour", 0) < 0:
+            raise ConfigError(p, f"{k}.price_per_hour", "a number >= 0")
+        scale = r.get("speed_scale", 1.0)
+        for v in (scale.values() if isinstance(scale, dict) else [scale]):
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(p, f"{k}.speed_scale", f"numbers > 0, got {scale!r}")
+    for i, n in enumerate(cfg.nodes):
+        if n.role in WORKER_ROLES and (n.resource or n.role) not in names:
+            raise ConfigError(p, f"nodes[{i}].resource", f"one of the [placement] resources {names}, got "
+                                                         f"{n.resource or n.role!r}")
+    for key in ("bandwidth_bytes_per_s", "min_throughput"):
+        if getattr(pl, key) <= 0:
+            raise ConfigError(p, f"placement.{key}", "a number > 0")
+    if pl.planner not in PLANNER_NAMES:
+        raise ConfigError(p, "placement.planner", f"one of {list(PLANNER_NAMES)}, got {pl.planner!r}")
+    if pl.micro_batches < 1:
+        raise ConfigError(p, "placement.micro_batches", "an integer >= 1")
+    if cfg.train.batch_size % pl.micro_batches:
+        raise ConfigError(p, "train.batch_size", f"a multiple of placement.micro_batches ({pl.micro_batches})")
+    if not 0.0 <= pl.min_gain < 1.0:
+        raise ConfigError(p, "placement.min_gain", "a fraction in [0, 1)")
+    if pl.profile_repeats < 1:
+        raise ConfigError(p, "placement.profile_repeats", "an integer >= 1")
+    if pl.join_wait_s < 0:
+        raise ConfigError(p, "placement.join_wait_s", "a number >= 0")
 
 
 #: environment variable -> (section, key); the only environment overrides hmp reads.

@@ -48,6 +48,10 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         print(f"hmp-{role}: config error: {exc}", file=sys.stderr)
         return 2
     hmp_log.configure(args.log_format or cfg.job.log_format)
+    if cfg.limits.tune_malloc:  # before the first socket: libzmq's I/O thread picks its malloc arena then
+        from hmp.transport.endpoint import tune_malloc
+
+        tune_malloc()
     import torch
 
     torch.set_num_threads(node_cfg.threads)  # several daemons share the cores

@@ -42,12 +42,14 @@ from hmp.messages import MESSAGE_TYPES, PROTOCOL_VERSION, SCHEMAS, FieldSpec, Ki
 # documented as read-only, so the warning carries no information here.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-#: Tensors up to this many bytes travel in one frame and are decoded as views (no copy). As large
-#: as the default message limit on purpose: a tensor cut into frames must be copied back together
-#: by the receiver, ~8-13 ms per 64 MiB here, a third of the transfer itself. The one reason for
-#: small (~1 MiB) frames is a receiver without ``endpoint.tune_malloc()``: there libzmq's buffer
-#: for any frame over 32 MiB is a fresh mmap that faults in page by page (bench/transport.py).
-DEFAULT_FRAME_BYTES = 1 << 30
+#: Tensors up to this many bytes travel in one frame and are decoded as views (no copy). Large on
+#: purpose, against the ~1 MiB first planned: ZeroMQ hands over a multipart message only when all of
+#: it has arrived, so small frames cannot pipeline anything, and a tensor cut into frames must be
+#: copied back together by the receiver, ~8-13 ms per 64 MiB here, a third of the transfer itself.
+#: Single big frames were slow only because libzmq's buffer for a frame over 32 MiB is a fresh mmap
+#: that faults in page by page; ``endpoint.tune_malloc()`` (daemons call it) removes that. Tensors
+#: above this are still split (and copied together once on receipt); see bench/transport.py.
+DEFAULT_FRAME_BYTES = 1 << 26
 
 #: wire dtype name -> torch dtype. bfloat16 has no numpy twin and travels as its raw bytes.
 DTYPES: dict[str, torch.dtype] = {

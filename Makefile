@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 CONFIG ?= conf/local.toml
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench docs clean
 
 # Idempotent: creates .venv once; installs the pinned CPU torch only when the
 # environment has none (an unpinned torch would pull GBs of CUDA wheels).
@@ -27,7 +27,12 @@ test: setup
 bench: setup
 	$(PY) bench/transport.py
 	$(PY) bench/ps.py
+	$(PY) bench/hogbatch.py
 	$(PY) bench/hfta.py
+
+# Regenerate the README's configuration reference from hmp/config.py.
+docs: setup
+	$(PY) -m hmp.config --update README.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

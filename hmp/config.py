@@ -347,6 +347,9 @@ def _validate_placement(cfg: Config) -> None:
         return
     if cfg.sweep.members:
         raise ConfigError(p, "placement.enabled", "false for a [sweep] job")
+    if cfg.train.consistency != "async":
+        raise ConfigError(p, "train.consistency", "\"async\" for a [placement] job (stages push their own chunks "
+                                                  "at their own pace)")
     if not pl.resources:
         raise ConfigError(p, "placement.resources", "at least one resource table when placement is enabled")
     names: list[str] = []
@@ -423,8 +426,28 @@ def reference() -> str:
         out.append("| key | default | meaning |\n|---|---|---|")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(f"| `{f.name}` | `{default!r}` | {f.metadata.get('help', '')} |")
+            meaning = f.metadata.get("help", "").replace("|", "\\|")  # a bare | would end the table cell
+            out.append(f"| `{f.name}` | `{default!r}` | {meaning} |")
         out.append("")
     return "\n".join(out)
 
 
+def update_readme(path: str | Path) -> None:
+    """Rewrite the generated configuration reference between the README's config-reference markers."""
+    import re
+
+    p = Path(path)
+    text, n = re.subn(r"(<!-- config-reference:[^\n]*-->\n).*?(<!-- end config-reference -->)",
+                      lambda m: m.group(1) + reference().strip() + "\n" + m.group(2), p.read_text(), flags=re.S)
+    if n != 1:
+        raise SystemExit(f"{p}: expected one config-reference block, found {n}")
+    p.write_text(text)
+
+
+if __name__ == "__main__":  # python -m hmp.config [--update README.md]: the README's configuration reference
+    import sys
+
+    if sys.argv[1:2] == ["--update"]:
+        update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    else:
+        print(reference())

@@ -27,3 +27,13 @@ def test_readme_api_example_trains(tmp_path):
     acc = float(re.search(r"test accuracy (\d\.\d+)", proc.stdout).group(1))
     assert acc >= 0.9
     assert "cpu0" in proc.stdout and "gpu0" in proc.stdout
+
+
+def test_config_reference_is_current():
+    """The README's configuration reference is exactly what ``python -m hmp.config`` generates from the code."""
+    from hmp.config import reference
+
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"<!-- config-reference:[^\n]*-->\n(.*?)<!-- end config-reference -->", text, re.S)
+    assert section, "README lost its config-reference markers"
+    assert section.group(1).strip() == reference().strip(), "regenerate it: python -m hmp.config"

@@ -38,12 +38,15 @@ class Kind(enum.Enum):
     ASSIGN = "assign"
     STATUS = "status"
     WORK = "work"
+    STAGE_ASSIGN = "stage_assign"
     # data
     INIT = "init"
     PUSH = "push"
     PULL = "pull"
     PARAMS = "params"
     TENSORS = "tensors"
+    ACTIVATIONS = "activations"
+    GRADIENTS = "gradients"
 
     @property
     def is_control(self) -> bool:
@@ -51,7 +54,8 @@ class Kind(enum.Enum):
 
 
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
-                      Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK})
+                      Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
+                       Kind.STAGE_ASSIGN})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -220,6 +224,32 @@ class Work(Message):
     start: int = 0
 
 
+@message(Kind.STAGE_ASSIGN)
+class StageAssign(Message):
+    """Scheduler -> worker: its part of pipeline plan ``plan`` (docs/pipeline.md). Answered by :class:`Ack`.
+
+    The worker runs layers ``[start, stop)`` of the model as stage ``stage`` (-1: standby, no
+    layers) of ``stages``; it is worker ``index`` of the ``width`` workers of its stage. ``prev``/``next`` are the
+    addresses of the neighbouring stages' workers in index order: micro-batch ``m`` goes to
+    worker ``m % len(next)``. Steps of ``batch_size`` examples in ``micro_batches`` micro-batches
+    start at step ``start_step``; ``steps`` is the last step (exclusive) of the job.
+    """
+
+    plan: int
+    stage: int
+    stages: int = 0
+    start: int = 0
+    stop: int = 0
+    index: int = 0
+    width: int = 1
+    prev: tuple[str, ...] = ()
+    next: tuple[str, ...] = ()
+    micro_batches: int = 1
+    batch_size: int = 0
+    start_step: int = 0
+    steps: int = 0
+
+
 # ----------------------------------------------------------------------------- data kinds
 
 @message(Kind.INIT)
@@ -265,6 +295,29 @@ class Tensors(Message):
     tensors: tuple[Tensor, ...]
     step: int = 0
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@message(Kind.ACTIVATIONS)
+class Activations(Message):
+    """Pipeline stage -> next stage, one-way: the output of micro-batch ``micro_batch`` of step
+    ``step`` under plan ``plan``; ``labels`` ride along for the last stage's loss."""
+
+    plan: int
+    step: int
+    micro_batch: int
+    values: Tensor
+    labels: Tensor
+
+
+@message(Kind.GRADIENTS)
+class Gradients(Message):
+    """Pipeline stage -> previous stage, one-way: the loss gradient with respect to the
+    activations of micro-batch ``micro_batch`` of step ``step`` under plan ``plan``."""
+
+    plan: int
+    step: int
+    micro_batch: int
+    grads: Tensor
 
 
 # ----------------------------------------------------------------------------- schema

@@ -63,6 +63,9 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         elif role == "ps":
             from hmp.nodes.ps_shard import PSShardNode
             node = PSShardNode(cfg, args.id, resume=args.resume)
+        elif cfg.placement.enabled:  # a pipeline job: the worker runs the stage it is assigned
+            from hmp.nodes.stage_worker import StageWorkerNode
+            node = StageWorkerNode(cfg, args.id)
         else:
             from hmp.nodes.worker import WorkerNode
             node = WorkerNode(cfg, args.id)

@@ -21,9 +21,11 @@ from hmp.errors import RequestError
 from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome, Work
 from hmp.jobdata import load_dataset_from_config
 from hmp.nodes.base import Node
+from hmp.nodes.placement_loop import PlacementLoop
 from hmp.ps.plan import ModelPlan
 from hmp.report import RunReport, write_report
 from hmp.sched.batching import BatchPolicy, make_batch_policy
+from hmp.transport.endpoint import Client
 
 
 @dataclasses.dataclass
@@ -61,6 +63,9 @@ class SchedulerNode(Node):
         self.work_epoch, self.work_cursor = 0, 0
         self.work_taken: dict[str, int] = {}
         self.log.info("chunk_placement", **{k: v for k, v in self.report.placement.items() if not isinstance(v, list)})
+        # [placement] jobs: the loop that plans the pipeline and re-plans when workers come and go.
+        self.placement: PlacementLoop | None = PlacementLoop(self) if cfg.placement.enabled else None
+        self.worker_clients: dict[str, Client] = {}
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
@@ -94,6 +99,8 @@ class SchedulerNode(Node):
                     "batch_size": self.policy.initial(m.id)}
             if self.t0 is None:
                 self.t0 = time.monotonic()
+            if self.placement is not None:
+                self.placement.on_membership(m.id, "joined")
         return Welcome(heartbeat_interval_s=self.cfg.job.heartbeat_interval_s, info=info)
 
     async def on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Message:
@@ -106,6 +113,10 @@ class SchedulerNode(Node):
         m = self._member(msg)
         now = self.elapsed()
         self.report.add_sample(m.id, now, msg.metrics)
+        if self.placement is not None:
+            self.placement.on_report(m.id, msg.metrics)
+            if self.placement.pipeline_done and not self.stop_reason:
+                self.stop_reason = f"epochs done ({self.placement.steps} steps)"
         acc = msg.metrics.get("test_accuracy")
         if acc is not None:
             self.best_accuracy = max(self.best_accuracy, acc)
@@ -152,14 +163,18 @@ class SchedulerNode(Node):
             self.report.finish_worker(m.id, {})
         m.state = "left"
         self.log.info("node_left", node=m.id, reason=msg.reason)
-        if msg.reason.startswith("failed:") and not self.job_failed:
+        if self.placement is not None and m.role in WORKER_ROLES and not self.stop_reason:
+            self.placement.on_membership(m.id, "left")
+        if msg.reason.startswith("failed:") and not self.job_failed and self.placement is None:
             self.job_failed = f"node {m.id} ({m.role}) {msg.reason}"
         self.policy.forget(m.id)
         self._check_workers_done()
         return Ack()
 
     def _check_workers_done(self) -> None:
-        if all(self.members[w.id].state in ("done", "left") for w in self.cfg.workers):
+        # A pipeline job re-plans around lost workers instead of failing, so they count as gone.
+        gone = ("done", "left", "lost") if self.placement is not None else ("done", "left")
+        if all(self.members[w.id].state in gone for w in self.cfg.workers):
             self.workers_done.set()
 
     def elapsed(self) -> float:
@@ -171,7 +186,20 @@ class SchedulerNode(Node):
                   members={m.id: m.state for m in self.members.values()},
                   workers=self.report.latest(), best_accuracy=self.best_accuracy,
                   best_test_loss=self.best_test_loss if self.best_test_loss != float("inf") else None)
+        if self.placement is not None:
+            st["pipeline"] = self.placement.status()
         return st
+
+    async def worker_client(self, worker_id: str) -> Client:
+        """A connection to a worker's server (the placement loop tells workers their stages)."""
+        m = self.members[worker_id]
+        c = self.worker_clients.get(worker_id)
+        if c is None or c.address != m.address:
+            if c is not None:
+                await c.close()
+            c = self.worker_clients[worker_id] = self.client(m.address)
+            await c.connect()
+        return c
 
     # ---------------------------------------------------------------- loops
     async def monitor(self) -> None:
@@ -183,6 +211,11 @@ class SchedulerNode(Node):
             for m in self.members.values():
                 if m.state in ("joined", "done") and now - m.last_seen > 3 * interval:
                     m.state = "lost"
+                    if self.placement is not None and m.role in WORKER_ROLES:
+                        self.log.warning("worker_lost", node=m.id, silent_s=round(now - m.last_seen, 2))
+                        self.placement.on_membership(m.id, "lost")
+                        self._check_workers_done()
+                        continue
                     self.job_failed = f"node {m.id} ({m.role}) lost: silent for {now - m.last_seen:.1f} s"
                     self.log.error("node_lost", node=m.id, silent_s=round(now - m.last_seen, 2))
                 if m.state == "expected" and now > deadline:
@@ -193,6 +226,17 @@ class SchedulerNode(Node):
             await asyncio.sleep(interval / 2)
 
     async def main(self) -> None:
+        placement = asyncio.create_task(self.placement.run(), name="placement") if self.placement else None
+        try:
+            await self._main()
+        finally:
+            if placement is not None:
+                placement.cancel()
+                await asyncio.gather(placement, return_exceptions=True)
+            for c in self.worker_clients.values():
+                await c.close()
+
+    async def _main(self) -> None:
         monitor = asyncio.create_task(self.monitor(), name="monitor")
         done = asyncio.create_task(self.workers_done.wait())
         stop = asyncio.create_task(self.stopping.wait())
@@ -225,6 +269,8 @@ class SchedulerNode(Node):
             final = {"error": f"{exc.__class__.__name__}: {exc}"}
         # best_reported_accuracy is what the workers measured on their replicas while training (what the stop rule
         # saw); test_accuracy is the PS parameters at the end, after the updates still in flight when it stopped.
+        if self.placement is not None:
+            self.report.pipeline = self.placement.report()
         self.report.final = {**final, "elapsed_s": self.elapsed(), "stop_reason": self.stop_reason or "epochs done",
                              "best_reported_accuracy": self.best_accuracy}
         paths = await asyncio.to_thread(write_report, self.report, self.cfg.report_dir)

@@ -39,7 +39,13 @@ class ModelPlan:
             model = array.model
         else:
             model = build_model(cfg.model.name, **cfg.model.args)
-        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes)
+        if cfg.placement.enabled:
+            # Pipeline stages push their own layers' chunks: no chunk may straddle two layers.
+            from hmp.pipeline.layout import layer_aligned_layout
+
+            layout = layer_aligned_layout(model, cfg.ps.chunk_bytes)
+        else:
+            layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes)
         model.to(device)
         flat = layout.bind(model)
         placement = place_chunks(layout.chunks, len(cfg.shards))

@@ -1,0 +1,213 @@
+"""The scheduler's placement loop: profile, plan, staff the stages, re-plan on membership changes.
+
+At job start the loop profiles the model layer by layer on this CPU (in a thread: the scheduler
+keeps answering heartbeats), builds the placement problem from ``[placement]``, waits until every
+worker has joined (or ``join_wait_s`` after the first), plans with the configured planner and
+tells every live worker its stage (``stage_assign``; workers the plan leaves out are on standby).
+Whenever a worker joins late, leaves or is lost, it plans again with ``registry.replan`` (which
+keeps the running assignment unless the new one is cheaper by ``min_gain``), staffs the stages
+with the workers now live and tells them; they abort the step in flight and continue from the
+step the loop names. Every plan, with its predicted and measured per-stage throughput, goes into
+the run report's ``pipeline`` section.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from hmp.errors import HmpError
+from hmp.messages import StageAssign
+from hmp.pipeline.assign import StageWorkers, assign_workers, predicted_throughput, runnable
+from hmp.pipeline.profile import LayerTiming, build_problem, profile_layers, resource_types
+from hmp.pipeline.schedule import total_steps
+from hmp.sched.placement.problem import NOT_MEASURED, PlacementProblem, Plan
+from hmp.sched.placement.registry import make_planner, replan
+
+if TYPE_CHECKING:
+    from hmp.nodes.scheduler import SchedulerNode
+
+LIVE = ("joined",)
+
+
+class PlacementLoop:
+    def __init__(self, node: SchedulerNode) -> None:
+        self.node, self.cfg = node, node.cfg
+        self.pcfg = node.cfg.placement
+        self.changed = asyncio.Event()
+        self.timings: list[LayerTiming] = []
+        self.problem: PlacementProblem | None = None
+        self.plan: Plan | None = None
+        self.stages: list[StageWorkers] = []
+        self.plan_id = 0
+        self.history: list[dict[str, Any]] = []
+        self.latest: dict[str, dict[str, float]] = {}  # worker -> its last report
+        self.max_step = 0
+        n_train = len(node.dataset.y_train)
+        self.steps = total_steps(self.cfg.train.epochs, n_train, self.cfg.train.batch_size)
+        self.first_join: float | None = None
+        self.log = node.log.bind(loop="placement")
+
+    def resource_of(self, worker_id: str) -> str:
+        n = self.cfg.node(worker_id)
+        return n.resource or n.role
+
+    # ---------------------------------------------------------------- scheduler hooks
+    def on_membership(self, worker_id: str, state: str) -> None:
+        if state == "joined" and self.first_join is None:
+            self.first_join = time.monotonic()
+        self.log.info("membership_changed", worker=worker_id, state=state)
+        self.changed.set()
+
+    def on_report(self, worker_id: str, metrics: dict[str, float]) -> None:
+        self.latest[worker_id] = metrics
+        if metrics.get("plan") == self.plan_id:
+            self.max_step = max(self.max_step, int(metrics.get("step", 0)))
+
+    @property
+    def pipeline_done(self) -> bool:
+        return any(m.get("pipeline_done") and m.get("plan") == self.plan_id for m in self.latest.values())
+
+    # ---------------------------------------------------------------- the loop
+    async def run(self) -> None:
+        node = self.node
+        x = node.dataset.x_train[: self.cfg.train.batch_size]
+        from hmp.models import build_model
+
+        model = build_model(self.cfg.model.name, **self.cfg.model.args)
+        self.timings = await asyncio.to_thread(profile_layers, model, x, self.pcfg.profile_repeats)
+        self.log.info("profiled", layers={t.name: round(t.seconds * 1e3, 4) for t in self.timings})
+        await self.wait_for_workers()
+        while not node.job_over.is_set():
+            self.changed.clear()
+            try:
+                await self.replan()
+            except (HmpError, ValueError) as exc:
+                self.log.error("placement_failed", error=str(exc))
+                node.job_failed = f"placement: {exc}"
+                return
+            await self.changed.wait()
+            await asyncio.sleep(0.2)  # several changes at once (a worker left, another joined): one re-plan
+
+    async def wait_for_workers(self) -> None:
+        workers = [w.id for w in self.cfg.workers]
+        while True:
+            states = [self.node.members[w].state for w in workers]
+            if all(s != "expected" for s in states):
+                return
+            if self.first_join is not None and time.monotonic() - self.first_join > self.pcfg.join_wait_s:
+                self.log.info("planning_without", missing=[w for w, s in zip(workers, states) if s == "expected"])
+                return
+            await asyncio.sleep(0.05)
+
+    def live_workers(self) -> dict[str, list[str]]:
+        live: dict[str, list[str]] = {}
+        for w in self.cfg.workers:
+            if self.node.members[w.id].state in LIVE:
+                live.setdefault(self.resource_of(w.id), []).append(w.id)
+        return live
+
+    def build_problem(self, counts: dict[str, int]) -> PlacementProblem:
+        samples = float(self.cfg.train.epochs * len(self.node.dataset.y_train))
+        return build_problem(self.timings, resource_types(self.pcfg.resources, counts),
+                             batch_size=self.cfg.train.batch_size, samples_to_train=samples,
+                             min_throughput=self.pcfg.min_throughput,
+                             bandwidth_bytes_per_s=self.pcfg.bandwidth_bytes_per_s, name=self.cfg.model.name)
+
+    async def replan(self) -> None:
+        live = self.live_workers()
+        if not live:
+            self.log.info("no_live_workers")
+            return
+        counts = {r["name"]: len(live.get(r["name"], [])) for r in self.pcfg.resources}
+        if self.problem is None:
+            self.problem = self.build_problem(counts)
+            plan = await asyncio.to_thread(make_planner(self.pcfg.planner).plan, self.problem)
+        else:
+            current = self.plan.assignment if self.plan is not None else None
+            plan = await asyncio.to_thread(replan, self.problem, counts, self.pcfg.planner, current, self.pcfg.min_gain)
+        problem = self.problem.with_counts(counts)
+        plan = runnable(plan, problem, live)
+        previous = {w: (s.start, s.stop) for s in self.stages for w in s.workers}
+        stages = assign_workers(plan, problem, live, micro_batches=self.pcfg.micro_batches,
+                                use_spare=self.pcfg.use_spare_workers, previous=previous)
+        if self.history:
+            self.history[-1]["measured"] = self.measured()
+            self.history[-1]["ended_s"] = round(self.node.elapsed(), 3)
+        self.plan, self.stages, self.plan_id = plan, stages, self.plan_id + 1
+        start_step = self.max_step
+        self.history.append(self.describe(problem, plan, stages, start_step, counts))
+        self.log.info("plan", plan=self.plan_id, planner=plan.planner, start_step=start_step,
+                      stages=[f"{s.start}-{s.stop - 1}@{s.resource}x{len(s.workers)}" for s in stages],
+                      predicted=round(predicted_throughput(stages), 1), cost=plan.cost)
+        await self.tell_workers(start_step)
+
+    async def tell_workers(self, start_step: int) -> None:
+        members, pcfg = self.node.members, self.pcfg
+        addresses = [tuple(members[w].address for w in s.workers) for s in self.stages]
+        msgs: dict[str, StageAssign] = {}
+        for k, s in enumerate(self.stages):
+            for i, w in enumerate(s.workers):
+                msgs[w] = StageAssign(plan=self.plan_id, stage=k, stages=len(self.stages), start=s.start, stop=s.stop,
+                                      index=i, width=len(s.workers), prev=addresses[k - 1] if k else (),
+                                      next=addresses[k + 1] if k + 1 < len(self.stages) else (),
+                                      micro_batches=pcfg.micro_batches, batch_size=self.cfg.train.batch_size,
+                                      start_step=start_step, steps=self.steps)
+        for ws in self.live_workers().values():
+            for w in ws:
+                msgs.setdefault(w, StageAssign(plan=self.plan_id, stage=-1, stages=len(self.stages),
+                                               start_step=start_step, steps=self.steps))
+        async def tell(w: str, m: StageAssign) -> None:
+            await (await self.node.worker_client(w)).request(m, timeout_s=10)
+
+        results = await asyncio.gather(*(tell(w, m) for w, m in msgs.items()), return_exceptions=True)
+        for w, r in zip(msgs, results):
+            if isinstance(r, Exception):
+                self.log.warning("stage_assign_failed", worker=w, error=str(r))  # it left: the next re-plan sees it
+
+    # ---------------------------------------------------------------- report
+    def status(self) -> dict[str, Any]:
+        """The running plan, for the scheduler's status (what `hmp-launch` and tests poll)."""
+        return {"plan": self.plan_id, "replans": max(0, len(self.history) - 1), "max_step": self.max_step,
+                "stages": [{"layers": [s.start, s.stop - 1], "resource": s.resource, "workers": list(s.workers)}
+                           for s in self.stages]}
+
+    def describe(self, problem: PlacementProblem, plan: Plan, stages: list[StageWorkers], start_step: int,
+                 counts: dict[str, int]) -> dict[str, Any]:
+        return {"plan": self.plan_id, "planner": plan.planner or self.pcfg.planner, "started_s": round(self.node.elapsed(), 3),
+                "start_step": start_step, "workers_available": counts,
+                "layers": {t.name: problem.resources[r].name for t, r in zip(self.timings, plan.assignment)},
+                "cost": plan.cost if plan.feasible else None, "feasible": plan.feasible, "reason": plan.reason,
+                "predicted_throughput": predicted_throughput(stages),
+                "planned_throughput": plan.throughput,
+                "stages": [{"layers": [s.start, s.stop - 1], "resource": s.resource, "workers": list(s.workers),
+                            "planned_workers": p.workers,
+                            "provenance": "measured" if problem.resources[p.resource].measured else NOT_MEASURED,
+                            "predicted_samples_per_s": s.predicted_throughput}
+                           for s, p in zip(stages, plan.stages)]}
+
+    def measured(self) -> list[dict[str, float]]:
+        """Per stage of the current plan: samples/s through the stage (its workers summed) and what
+        its compute alone sustained (samples per busy second, summed)."""
+        out = []
+        for s in self.stages:
+            reports = [self.latest.get(w, {}) for w in s.workers]
+            reports = [r for r in reports if r.get("plan") == self.plan_id]
+            out.append({"samples_per_s": sum(r.get("stage_samples_per_s", 0.0) for r in reports),
+                        "compute_samples_per_s": sum(r.get("stage_capacity", 0.0) for r in reports),
+                        "reports": len(reports)})
+        return out
+
+    def report(self) -> dict[str, Any]:
+        if self.history and "measured" not in self.history[-1]:
+            self.history[-1]["measured"] = self.measured()
+            self.history[-1]["ended_s"] = round(self.node.elapsed(), 3)
+        problem = self.problem
+        return {"planner": self.pcfg.planner, "micro_batches": self.pcfg.micro_batches,
+                "batch_size": self.cfg.train.batch_size, "steps": self.steps,
+                "profile": [{"layer": t.name, "kind": t.kind, "cpu_ms": t.seconds * 1e3, "out_bytes": t.out_bytes,
+                             "param_bytes": t.param_bytes} for t in self.timings],
+                "resources": [{"name": r.name, "price_per_hour": r.price_per_hour, "provenance": r.provenance}
+                              for r in (problem.resources if problem else ())],
+                "plans": self.history, "replans": max(0, len(self.history) - 1)}

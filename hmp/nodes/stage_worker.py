@@ -1,0 +1,317 @@
+"""The worker daemon of a ``[placement]`` job: runs whatever pipeline stage the scheduler assigns.
+
+A worker joins like any other, then waits for a ``stage_assign``. It pulls its stage's parameters
+from the PS shards and runs the micro-batch schedule of ``hmp/pipeline/schedule.py``: stage 0
+reads examples and sends activations forward, the last stage computes the loss and sends
+gradients back, each stage pushes its own chunks' gradients to the shards at the end of every
+step. A later ``stage_assign`` (a re-plan after a worker joined or left) aborts the step in
+flight, and the worker continues with its new layers from the step the scheduler names.
+
+One engine task handles every event in arrival order (assignments, activations, gradients), so a
+push (which rewrites the stage's parameters in place) never overlaps a forward or backward that
+saved them. Messages of a newer plan or a later step wait in ``held`` until the worker is there;
+messages of an older plan or step are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hmp.client import PSClient, evaluate
+from hmp.config import Config
+from hmp.errors import HmpError
+from hmp.jobdata import load_dataset_from_config
+from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Report, StageAssign
+from hmp.nodes.base import Node
+from hmp.pipeline.layout import stage_chunk_keys
+from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
+from hmp.pipeline.stage import StageCompute
+from hmp.ps.plan import ModelPlan
+from hmp.transport.endpoint import Client
+
+
+class StagePSClient(PSClient):
+    """A PS client whose ``pull``/``push`` touch only the chunks given to :meth:`restrict`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._all_keys = list(self.shards)
+
+    def restrict(self, keys: Iterable[int]) -> None:
+        mine = set(keys)
+        self.shards = [(sid, c, tuple(k for k in ks if k in mine)) for sid, c, ks in self._all_keys]
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        return tuple(k for _, _, ks in self.shards for k in ks)
+
+
+class StageWorkerNode(Node):
+    def __init__(self, cfg: Config, node_id: str) -> None:
+        super().__init__(cfg, node_id)
+        torch.set_num_threads(self.node.threads)
+        self.events: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.held: list[Message] = []
+        self.assign: StageAssign | None = None
+        self.compute: StageCompute | None = None
+        self.peers: dict[str, Client] = {}
+        self.stop_requested = False
+        self.step_mbs: tuple[int, ...] = ()
+        self.done_mbs: set[int] = set()
+        self.started_step = False
+        self.metrics: dict[str, float] = {"samples": 0, "updates": 0, "loss": float("nan"), "epoch": 0,
+                                          "plan": -1, "stage": -1, "aborted_micro_batches": 0}
+        self.busy_s = 0.0
+        self.t0 = time.monotonic()
+        self.plan_t0, self.plan_samples, self.plan_busy = self.t0, 0, 0.0
+
+    def handlers(self):
+        return {**super().handlers(), Kind.STAGE_ASSIGN: self.on_stage_assign,
+                Kind.ACTIVATIONS: self.on_data, Kind.GRADIENTS: self.on_data}
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), **self.metrics}
+
+    async def on_stage_assign(self, msg: StageAssign, peer: bytes) -> Message:
+        self.events.put_nowait(msg)
+        return Ack(detail=f"plan {msg.plan}")
+
+    async def on_data(self, msg: Message, peer: bytes) -> None:
+        self.events.put_nowait(msg)  # one-way: no reply
+
+    # ---------------------------------------------------------------- main
+    async def main(self) -> None:
+        self.data = load_dataset_from_config(self.cfg)
+        self.model_plan = ModelPlan.from_config(self.cfg)
+        welcome = await self.join()
+        if welcome is None:
+            return
+        shards = [tuple(s) for s in welcome.info["shards"]]
+        self.ps = StagePSClient(self.model_plan, shards, name=self.id, cfg=self.cfg,
+                                timeout_s=self.cfg.limits.request_timeout_s)
+        await self.ps.connect()
+        self.order = ExampleOrder(len(self.data.y_train), self.cfg.train.batch_size,
+                                  self.cfg.placement.micro_batches, self.cfg.data.seed)
+        hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
+        reports = asyncio.create_task(self.report_loop(), name="reports")
+        try:
+            await self.engine()
+        except Exception as exc:
+            self.failed = f"{exc.__class__.__name__}: {exc}"
+            raise
+        finally:
+            reports.cancel()
+            await asyncio.gather(reports, return_exceptions=True)
+            if not self.failed:
+                await self.send_report(done=True)
+            await self.ps.leave(self.failed or "done")
+            await self.ps.close()
+            for c in self.peers.values():
+                await c.close()
+            hb.cancel()
+            await asyncio.gather(hb, return_exceptions=True)
+            await self.leave(f"failed: {self.failed}" if self.failed else "done")
+
+    async def engine(self) -> None:
+        stop = asyncio.create_task(self._stop_signal())
+        try:
+            while not (self.stopping.is_set() or self.stop_requested):
+                if self.should_drive():
+                    await self.drive_step()
+                    await self.maybe_finish_step()
+                    await asyncio.sleep(0)  # let the reader hand over what arrived meanwhile
+                    if self.events.empty():
+                        continue
+                ev = await self.events.get()
+                if ev is None:
+                    break
+                await self.handle(ev)
+                await self.maybe_finish_step()
+        finally:
+            stop.cancel()
+
+    async def _stop_signal(self) -> None:
+        await self.stopping.wait()
+        self.events.put_nowait(None)
+
+    # ---------------------------------------------------------------- plan changes
+    async def reconfigure(self, a: StageAssign) -> None:
+        if self.compute is not None:
+            self.metrics["aborted_micro_batches"] += self.compute.abort()
+        self.model_plan.flat.zero_grad()
+        self.assign, self.compute = a, None
+        self.held = [m for m in self.held if getattr(m, "plan", -1) > a.plan]
+        self.step = a.start_step
+        self.started_step = False
+        self.metrics.update(plan=a.plan, stage=a.stage)
+        self.plan_t0, self.plan_samples, self.plan_busy = time.monotonic(), 0, 0.0
+        if a.stage < 0:
+            self.ps.restrict(())
+            self.log.info("standby", plan=a.plan)
+            return
+        self.compute = StageCompute(self.model_plan.model, a.start, a.stop)
+        self.ps.restrict(stage_chunk_keys(self.model_plan.layout, a.start, a.stop))
+        await self.ps.pull()  # this stage's parameters, from the shards
+        self.step_mbs = micro_batches_of(a.index, a.width, a.micro_batches)
+        self.done_mbs = set()
+        self.log.info("stage_assigned", plan=a.plan, stage=a.stage, layers=f"{a.start}-{a.stop - 1}",
+                      index=a.index, micro_batches=self.step_mbs, start_step=a.start_step, keys=len(self.ps.keys))
+        for c in (*a.prev, *a.next):
+            if c not in self.peers:
+                self.peers[c] = self.client(c)
+                await self.peers[c].connect()
+        held, self.held = self.held, []
+        for m in held:
+            self.events.put_nowait(m)
+
+    # ---------------------------------------------------------------- events
+    async def handle(self, ev: Message) -> None:
+        if isinstance(ev, StageAssign):
+            if self.assign is None or ev.plan > self.assign.plan:
+                await self.reconfigure(ev)
+            return
+        assert isinstance(ev, (Activations, Gradients))
+        a = self.assign
+        if a is None or ev.plan > a.plan or (ev.plan == a.plan and ev.step > self.step):
+            self.held.append(ev)  # for a plan or step this worker has not reached yet
+            return
+        if ev.plan < a.plan or ev.step < self.step or self.compute is None:
+            return  # from an aborted plan or step
+        if isinstance(ev, Activations):
+            await self.forward(ev.micro_batch, ev.values, ev.labels)
+        else:
+            await self.backward(ev.micro_batch, ev.grads)
+
+    def should_drive(self) -> bool:
+        """Stage 0 starts the next step once the previous one is pushed."""
+        a = self.assign
+        return (a is not None and a.stage == 0 and self.compute is not None and not self.started_step
+                and self.step < a.steps)
+
+    async def drive_step(self) -> None:
+        """Fill: send every micro-batch this worker handles forward, back to back."""
+        self.started_step = True
+        x, y = self.data.x_train, self.data.y_train
+        self.metrics["epoch"] = self.order.epoch_of(self.step)
+        for m in self.step_mbs:
+            ids = self.order.ids(self.step, m)
+            await self.forward(m, x[ids], y[ids])
+
+    async def forward(self, m: int, x: torch.Tensor, labels: torch.Tensor) -> None:
+        a, compute = self.assign, self.compute
+        assert a is not None and compute is not None
+        self.started_step = True
+        t0 = time.perf_counter()
+        out = compute.forward(m, x, labels)
+        if compute.last:
+            grad = compute.backward(m)
+            self.busy(t0)
+            self.loss(float(out))
+            self.done_mbs.add(m)
+            if grad is not None:
+                await self.send_to(a.prev, Gradients(sender=self.id, plan=a.plan, step=self.step, micro_batch=m,
+                                                     grads=grad))
+            return
+        self.busy(t0)
+        await self.send_to(a.next, Activations(sender=self.id, plan=a.plan, step=self.step, micro_batch=m,
+                                               values=out, labels=labels))
+
+    async def backward(self, m: int, grad: torch.Tensor) -> None:
+        a, compute = self.assign, self.compute
+        assert a is not None and compute is not None
+        if m not in compute.saved:
+            return  # not ours, or already done
+        t0 = time.perf_counter()
+        grad_in = compute.backward(m, grad)
+        self.busy(t0)
+        self.done_mbs.add(m)
+        if grad_in is not None:
+            await self.send_to(a.prev, Gradients(sender=self.id, plan=a.plan, step=self.step, micro_batch=m,
+                                                 grads=grad_in))
+
+    async def send_to(self, addresses: tuple[str, ...], msg: Activations | Gradients) -> None:
+        """One-way, zero-copy: the tensor is not touched again (it is freed once sent)."""
+        await self.peers[addresses[worker_for(msg.micro_batch, len(addresses))]].send(msg)
+
+    async def maybe_finish_step(self) -> None:
+        """Drain done: push this stage's gradients (the mean over its micro-batches), take the new
+        values, move to the next step and replay what arrived early for it (which may finish it too)."""
+        while self.assign is not None and self.compute is not None and self.step_mbs \
+                and len(self.done_mbs) >= len(self.step_mbs):
+            n = len(self.step_mbs)
+            samples = n * self.order.micro_batch_size
+            keys = self.ps.keys
+            if keys:
+                grads = self.ps.plan.grad_views()
+                with torch.no_grad():
+                    for k in keys:
+                        grads[k].div_(n)  # n per-micro-batch mean gradients were summed
+                await self.ps.push(samples=samples)
+                self.model_plan.flat.zero_grad()
+            self.metrics.update(samples=self.metrics["samples"] + samples, updates=self.metrics["updates"] + 1)
+            self.plan_samples += samples
+            self.step += 1
+            self.done_mbs = set()
+            self.started_step = False
+            held, self.held = self.held, []
+            for m in held:
+                await self.handle(m)
+
+    # ---------------------------------------------------------------- metrics
+    def busy(self, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        self.plan_busy += dt
+
+    def loss(self, value: float) -> None:
+        prev = self.metrics["loss"]
+        self.metrics["loss"] = value if prev != prev else 0.95 * prev + 0.05 * value
+
+    def current_metrics(self) -> dict[str, float]:
+        now = time.monotonic()
+        plan_wall = max(1e-9, now - self.plan_t0)
+        return {**self.metrics, "step": float(self.step), "busy_s": self.busy_s,
+                "samples_per_s": self.metrics["samples"] / max(1e-9, now - self.t0),
+                "busy_fraction": self.busy_s / max(1e-9, now - self.t0),
+                # This plan only: what the stage moved (pipeline rate) and what its compute alone could.
+                "stage_samples_per_s": self.plan_samples / plan_wall,
+                "stage_capacity": self.plan_samples / self.plan_busy if self.plan_busy else 0.0,
+                "plan_seconds": plan_wall, "bytes_out": float(self.ps.bytes_out), "bytes_in": float(self.ps.bytes_in),
+                "pipeline_done": float(self.assign is not None and self.assign.stage == 0
+                                       and self.step >= self.assign.steps)}
+
+    async def report_loop(self) -> None:
+        t = self.cfg.train
+        next_eval = time.monotonic() + t.eval_every_s
+        while not (self.stopping.is_set() or self.stop_requested):
+            await asyncio.sleep(t.report_interval_s)
+            a = self.assign
+            if a is not None and a.stage == a.stages - 1 and a.index == 0 and time.monotonic() >= next_eval:
+                self.metrics.update(await self.evaluate())
+                next_eval = time.monotonic() + t.eval_every_s
+            await self.send_report()
+
+    async def evaluate(self) -> dict[str, float]:
+        """Test accuracy of the whole model as the shards hold it now (a separate replica)."""
+        if not hasattr(self, "eval_ps"):
+            shards = [(sid, c.address) for sid, c, _ in self.ps._all_keys]
+            self.eval_ps = PSClient(ModelPlan.from_config(self.cfg), shards, name=f"{self.id}-eval", cfg=self.cfg)
+            await self.eval_ps.connect()
+        await self.eval_ps.pull()
+        return await asyncio.to_thread(evaluate, self.eval_ps.model, self.data.x_test, self.data.y_test)
+
+    async def send_report(self, done: bool = False) -> None:
+        assert self.scheduler is not None
+        try:
+            reply = await self.scheduler.request(Report(metrics=self.current_metrics(), done=done), timeout_s=10)
+        except HmpError as exc:
+            self.log.warning("report_failed", error=str(exc))
+            return
+        if isinstance(reply, Assign) and reply.stop and not self.stop_requested:
+            self.stop_requested = True
+            self.events.put_nowait(None)

@@ -1,0 +1,62 @@
+"""The micro-batch schedule (GPipe-style fill and drain per step), identical on every worker.
+
+Step ``s`` trains on ``batch_size`` examples cut into ``micro_batches`` equal micro-batches.
+Stage 0 sends all of its micro-batches forward back to back (fill) so that the stages work on
+different micro-batches at once; each micro-batch's gradients flow back as soon as the last stage
+has its loss; a stage pushes its gradients to the PS once every micro-batch of the step it handles
+has gone backward (drain), then the next step starts. Micro-batch ``m`` of a stage with ``k``
+workers is handled by worker ``m % k`` (data parallel within the stage).
+
+Which examples make up a micro-batch is a pure function of (step, micro-batch), so no example
+ids need to travel: epoch ``e``'s shuffled order is ``randperm(n, seed * 7919 + e)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def worker_for(micro_batch: int, workers: int) -> int:
+    """Index (within its stage) of the worker that handles ``micro_batch``."""
+    return micro_batch % workers
+
+
+def micro_batches_of(index: int, workers: int, micro_batches: int) -> tuple[int, ...]:
+    """The micro-batches worker ``index`` of a ``workers``-wide stage handles in every step."""
+    return tuple(m for m in range(micro_batches) if worker_for(m, workers) == index)
+
+
+def steps_per_epoch(n_train: int, batch_size: int) -> int:
+    if n_train < batch_size:
+        raise ValueError(f"{n_train} training examples are fewer than one batch of {batch_size}")
+    return n_train // batch_size  # the ragged tail of each epoch is dropped
+
+
+def total_steps(epochs: int, n_train: int, batch_size: int) -> int:
+    return epochs * steps_per_epoch(n_train, batch_size)
+
+
+class ExampleOrder:
+    """Example ids of (step, micro-batch); the per-epoch permutation is cached."""
+
+    def __init__(self, n_train: int, batch_size: int, micro_batches: int, seed: int) -> None:
+        if batch_size % micro_batches:
+            raise ValueError(f"batch size {batch_size} is not a multiple of {micro_batches} micro-batches")
+        self.n, self.batch, self.mb, self.seed = n_train, batch_size, micro_batches, seed
+        self.per_epoch = steps_per_epoch(n_train, batch_size)
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch // self.mb
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.per_epoch
+
+    def ids(self, step: int, micro_batch: int) -> torch.Tensor:
+        epoch = self.epoch_of(step)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+        lo = (step % self.per_epoch) * self.batch + micro_batch * self.micro_batch_size
+        return self._order[lo:lo + self.micro_batch_size]

@@ -22,7 +22,7 @@ from hmp.messages import StageAssign
 from hmp.pipeline.assign import StageWorkers, assign_workers, predicted_throughput, runnable
 from hmp.pipeline.profile import LayerTiming, build_problem, profile_layers, resource_types
 from hmp.pipeline.schedule import total_steps
-from hmp.sched.placement.problem import NOT_MEASURED, PlacementProblem, Plan
+from hmp.sched.placement.problem import PlacementProblem, Plan
 from hmp.sched.placement.registry import make_planner, replan
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class PlacementLoop:
                 "planned_throughput": plan.throughput,
                 "stages": [{"layers": [s.start, s.stop - 1], "resource": s.resource, "workers": list(s.workers),
                             "planned_workers": p.workers,
-                            "provenance": "measured" if problem.resources[p.resource].measured else NOT_MEASURED,
+                            "provenance": problem.resources[p.resource].provenance,
                             "predicted_samples_per_s": s.predicted_throughput}
                            for s, p in zip(stages, plan.stages)]}
 

@@ -104,7 +104,11 @@ class SchedulerNode(Node):
         return Welcome(heartbeat_interval_s=self.cfg.job.heartbeat_interval_s, info=info)
 
     async def on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Message:
-        self._member(msg)
+        m = self._member(msg)
+        if m.state == "lost" and self.placement is not None and m.role in WORKER_ROLES and not self.job_over.is_set():
+            # A pipeline worker that was only stalled (a busy machine) is back: plan with it again.
+            m.state = "joined"
+            self.placement.on_membership(m.id, "joined")
         if self.job_over.is_set():
             return Shutdown(reason=self.job_failed or self.stop_reason or "job over")
         return Ack()

@@ -88,6 +88,10 @@ class StageWorkerNode(Node):
     async def main(self) -> None:
         self.data = load_dataset_from_config(self.cfg)
         self.model_plan = ModelPlan.from_config(self.cfg)
+        # One untimed pass before joining: first calls initialise kernels and autograd, which on a busy
+        # machine can stall the event loop past the heartbeat limit once training has started.
+        self.model_plan.model(self.data.x_train[:2]).sum().backward()
+        self.model_plan.flat.zero_grad()
         welcome = await self.join()
         if welcome is None:
             return

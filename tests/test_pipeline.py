@@ -152,7 +152,7 @@ micro_batches = 4
 min_throughput = 2000.0
 bandwidth_bytes_per_s = 1e10
 join_wait_s = {join_wait_s}
-profile_repeats = 3
+profile_repeats = 7
 resources = [
   {{ name = "cpu", price_per_hour = 0.17 }},
   {{ name = "accel", price_per_hour = 0.08, measured = false, speed_scale = {{ sparse = 0.1, dense = 8.0, elementwise = 4.0 }} }},

@@ -1,8 +1,8 @@
 """The scheduler's placement loop: profile, plan, staff the stages, re-plan on membership changes.
 
-At job start the loop profiles the model layer by layer on this CPU (in a thread: the scheduler
-keeps answering heartbeats), builds the placement problem from ``[placement]``, waits until every
-worker has joined (or ``join_wait_s`` after the first), plans with the configured planner and
+At job start the loop waits until every worker has joined (or ``join_wait_s`` after the first),
+profiles the model layer by layer on this CPU (in a thread: the scheduler keeps answering
+heartbeats), builds the placement problem from ``[placement]``, plans with the configured planner and
 tells every live worker its stage (``stage_assign``; workers the plan leaves out are on standby).
 Whenever a worker joins late, leaves or is lost, it plans again with ``registry.replan`` (which
 keeps the running assignment unless the new one is cheaper by ``min_gain``), staffs the stages
@@ -76,9 +76,11 @@ class PlacementLoop:
         from hmp.models import build_model
 
         model = build_model(self.cfg.model.name, **self.cfg.model.args)
+        # Profile once the workers have joined: while they start (importing torch, loading data) the
+        # shared cores are busy and layer times come out inflated and noisy.
+        await self.wait_for_workers()
         self.timings = await asyncio.to_thread(profile_layers, model, x, self.pcfg.profile_repeats)
         self.log.info("profiled", layers={t.name: round(t.seconds * 1e3, 4) for t in self.timings})
-        await self.wait_for_workers()
         while not node.job_over.is_set():
             self.changed.clear()
             try:

@@ -17,8 +17,9 @@ from functools import cached_property
 
 import numpy as np
 
-#: What a report prints next to a resource type whose times were not measured on its hardware.
-NOT_MEASURED = "scaled, not measured"
+#: The label every report prints next to a resource type whose times were not measured on its
+#: hardware here (scaled from the CPU reference, or measured elsewhere and given in config).
+NOT_MEASURED = "NOT_MEASURED"
 
 
 def _positive(value: float, what: str) -> float:
@@ -45,6 +46,8 @@ class ResourceType:
         device: the torch device a measured type is profiled on (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         overhead_s: fixed seconds per layer per batch (fwd+bwd) added to scaled times, e.g. kernel
             launches on a GPU, which scaling a CPU time cannot produce.
+        source: for a type that is not measured, where its figures come from (e.g. ``"scaled from
+            cpu"``, ``"times from config"``); printed after the ``NOT_MEASURED`` label.
     """
 
     name: str
@@ -54,6 +57,7 @@ class ResourceType:
     measured: bool = True
     device: str = "cpu"
     overhead_s: float = 0.0
+    source: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -76,8 +80,8 @@ class ResourceType:
 
     @property
     def provenance(self) -> str:
-        """``"measured"`` or ``"scaled, not measured"``: the label reports print next to the type."""
-        return "measured" if self.measured else NOT_MEASURED
+        """``"measured"`` or ``"NOT_MEASURED (<source>)"``: the label reports print next to the type."""
+        return "measured" if self.measured else f"{NOT_MEASURED} ({self.source or 'scaled'})"
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,10 @@ class PlacementProblem:
     def all_measured(self) -> bool:
         return all(r.measured for r in self.resources)
 
+    def describe_resources(self) -> list[str]:
+        """One line per resource type with its price, count and provenance (measured or not)."""
+        return [f"{r.name}: ${r.price_per_hour:g}/h x{r.count}, {r.provenance}" for r in self.resources]
+
     def resource_index(self, name: str) -> int:
         for i, r in enumerate(self.resources):
             if r.name == name:
@@ -290,7 +298,7 @@ class Plan:
         lines = [head]
         for s in self.stages:
             r = problem.resources[s.resource]
-            label = "" if r.measured else f" ({NOT_MEASURED})"
+            label = "" if r.measured else f" [{r.provenance}]"
             lines.append(
                 f"  layers {s.start}-{s.stop - 1} on {s.resource_name}{label} x{s.workers}: "
                 f"{s.time_s * 1e3:.3f} ms/batch ({s.compute_s * 1e3:.3f} compute, {s.transfer_s * 1e3:.3f} transfer)"

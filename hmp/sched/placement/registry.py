@@ -1,4 +1,33 @@
-"""One interface for all planners, and re-planning when workers join or leave."""
+"""The placement API the runtime calls: profile, plan, re-plan. These signatures are kept stable.
+
+::
+
+    parse_spec(config: Mapping, *, path: str | None = None, counts: Mapping[str, int] | None = None,
+               prefix: str = "placement") -> PlacementSpec
+        Validate a [placement]-like mapping (resources with price_per_hour, count, speed_scale,
+        measured, device, overhead_s, times_s; batch_size, samples, min_throughput,
+        bandwidth_bytes_per_s; optional reps/profile_repeats, warmup, num_threads). Bad input:
+        ConfigError(path, key, expected) when path is given, else ValueError naming the key.
+
+    profile(model: nn.Module, spec: PlacementSpec, batch: Tensor | None = None, *, name: str = "")
+            -> PlacementProblem
+        Time each layer's forward+backward per batch on every measured type; scale (or take from
+        config) the others, which are labelled NOT_MEASURED; record boundary tensor bytes.
+
+    problem_from_config(config: Mapping, model: nn.Module, batch: Tensor | None = None, *,
+                        path: str | None = None, counts: Mapping[str, int] | None = None,
+                        name: str = "") -> PlacementProblem
+        parse_spec + profile in one call.
+
+    make_planner(name: str, **kwargs) -> Planner            # names: PLANNERS; planner.plan(problem) -> Plan
+    plan(problem: PlacementProblem, planner: str | Planner = "rl") -> Plan
+    replan(problem, available_counts: Mapping[str, int] | Sequence[int], planner: str | Planner = "rl",
+           current: Sequence[int] | None = None, min_gain: float = 0.0) -> Plan
+
+A :class:`~hmp.sched.placement.problem.Plan` gives ``assignment`` (resource index per layer),
+``stages`` (``start``/``stop`` layer slice, ``resource_name``, ``workers``), ``feasible``, ``cost``
+and ``throughput``; ``plan.describe(problem)`` prints it with NOT_MEASURED labels.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +37,11 @@ from dataclasses import replace
 from hmp.sched.placement import cost_model
 from hmp.sched.placement.baselines import BruteForcePlanner, GeneticPlanner, GreedyPlanner, Planner, RandomSearchPlanner
 from hmp.sched.placement.problem import PlacementProblem, Plan
+from hmp.sched.placement.profiler import problem_from_config, profile
 from hmp.sched.placement.rl import RLPlanner
+from hmp.sched.placement.spec import PlacementSpec, parse_spec
+
+__all__ = ["PLANNERS", "PlacementSpec", "make_planner", "parse_spec", "plan", "problem_from_config", "profile", "replan"]
 
 #: Planner factories by name; each accepts keyword arguments (``seed`` for the seeded ones).
 PLANNERS: dict[str, Callable[..., Planner]] = {
@@ -27,6 +60,11 @@ def make_planner(name: str, **kwargs) -> Planner:
     except KeyError:
         raise ValueError(f"unknown planner {name!r}; expected one of {sorted(PLANNERS)}") from None
     return factory(**kwargs)
+
+
+def plan(problem: PlacementProblem, planner: str | Planner = "rl") -> Plan:
+    """Plan ``problem`` with a planner given by registry name or object."""
+    return (make_planner(planner) if isinstance(planner, str) else planner).plan(problem)
 
 
 def replan(
@@ -54,8 +92,7 @@ def replan(
     if not 0.0 <= min_gain < 1.0:
         raise ValueError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
     updated = problem.with_counts(available_counts)
-    p = make_planner(planner) if isinstance(planner, str) else planner
-    fresh = p.plan(updated)
+    fresh = plan(updated, planner)
     if current is None:
         return fresh
     kept = cost_model.evaluate(updated, current)

@@ -6,7 +6,8 @@ Problems:
   (measured) plus two GPU types described by speed_scale (labelled NOT_MEASURED). Their minimum
   throughput is set to a fixed fraction (``THROUGHPUT_FRACTION``) of what the best homogeneous pool
   sustains, so that the constraint binds whatever this machine's speed;
-- ``random-<seed>``: ``synthetic.random_problem(seed)``, 4-40 layers, 2-4 resource types.
+- ``random-<seed>``: ``synthetic.random_problem(seed)``, 4-40 layers, 2-4 resource types (most too
+  large for brute force), and ``SMALL`` problems of chosen sizes that brute force can enumerate.
 
 For each problem and planner: cost, feasibility, planning seconds. Summary figures:
 
@@ -14,6 +15,8 @@ For each problem and planner: cost, feasibility, planning seconds. Summary figur
   (``R ** L <= 2**20``) and finds feasible (an RL plan that is infeasible there counts as inf);
 - ``rl_vs_greedy``, ``rl_vs_ga``: mean of ``rl / other`` cost over the larger problems (brute force
   cannot enumerate) where both are feasible;
+- the same figures for the RL planner's best *sampled* plan, before its local-search polish
+  (``rl_sampled_*``), to show what the policy alone achieves;
 - ``feasible_rate``: the share of problems where some planner finds a feasible plan on which the RL
   planner's plan is feasible too (``feasible_rate_by_planner`` for all planners).
 
@@ -45,11 +48,14 @@ from hmp.sched.placement import cost_model  # noqa: E402
 from hmp.sched.placement.baselines import BruteForcePlanner  # noqa: E402
 from hmp.sched.placement.problem import PlacementProblem, Plan  # noqa: E402
 from hmp.sched.placement.registry import make_planner, problem_from_config  # noqa: E402
+from hmp.sched.placement.rl import RLPlanner  # noqa: E402
 from hmp.sched.placement.synthetic import random_problem  # noqa: E402
 
 PLANNERS = ("bruteforce", "greedy", "random", "ga", "rl")
-RANDOM_SEEDS = tuple(range(16))
-QUICK_SEEDS = tuple(range(5))
+RANDOM_SEEDS = tuple(range(12))
+#: (layers, types) of the problems brute force can enumerate (R ** L <= 2 ** 20); seeds 100, 101, ...
+SMALL = ((4, 2), (6, 3), (8, 4), (10, 2), (12, 3), (10, 4), (16, 2), (20, 2), (9, 4), (12, 2))
+QUICK_SEEDS, QUICK_SMALL = tuple(range(3)), SMALL[:4]
 #: min_throughput of the shipped-model problems, as a fraction of the best homogeneous pool's.
 THROUGHPUT_FRACTION = {"click": 0.9, "deep_mlp": 0.9}
 TARGETS = {"rl_gap_vs_bruteforce": 0.03, "rl_vs_greedy": 1.0, "rl_vs_ga": 1.0, "feasible_rate": 1.0}
@@ -90,12 +96,19 @@ def run_planners(problem: PlacementProblem) -> dict[str, dict]:
         if isinstance(planner, BruteForcePlanner) and not planner.can_solve(problem):
             continue
         t0 = time.perf_counter()
-        plan: Plan = planner.plan(problem)
+        extra = {}
+        if isinstance(planner, RLPlanner):
+            res = planner.train(problem)
+            plan: Plan = res.plan
+            extra = {"sampled_cost": res.sampled.cost if res.sampled.feasible else None, "evaluations": res.evaluations, "iterations": len(res.history)}
+        else:
+            plan = planner.plan(problem)
         row[name] = {
             "cost": plan.cost if plan.feasible else None,
             "feasible": plan.feasible,
             "seconds": time.perf_counter() - t0,
             "stages": len(plan.stages),
+            **extra,
         }
     return row
 
@@ -104,7 +117,8 @@ def _mean(xs: list[float]) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def summarize(results: dict[str, dict]) -> dict:
+def summarize(results: dict[str, dict], rl_cost: str = "cost") -> dict:
+    """The summary figures, for the RL plan's ``cost`` or its ``sampled_cost`` (before the polish)."""
     gaps, vs_greedy, vs_ga = [], [], []
     feasible_somewhere, rl_feasible = 0, 0
     by_planner = {p: [0, 0] for p in PLANNERS}  # feasible, attempted where some planner is feasible
@@ -113,19 +127,19 @@ def summarize(results: dict[str, dict]) -> dict:
         any_feasible = any(r["feasible"] for r in rows.values())
         if any_feasible:
             feasible_somewhere += 1
-            rl_feasible += rows["rl"]["feasible"]
+            rl_feasible += rows["rl"][rl_cost] is not None
             for p, r in rows.items():
                 by_planner[p][0] += r["feasible"]
                 by_planner[p][1] += 1
-        rl = rows["rl"]
+        rl = rows["rl"][rl_cost]
         if "bruteforce" in rows:
             bf = rows["bruteforce"]
             if bf["feasible"]:
-                gaps.append((rl["cost"] - bf["cost"]) / bf["cost"] if rl["feasible"] else math.inf)
+                gaps.append((rl - bf["cost"]) / bf["cost"] if rl is not None else math.inf)
         else:
             for other, acc in (("greedy", vs_greedy), ("ga", vs_ga)):
-                if rl["feasible"] and rows[other]["feasible"]:
-                    acc.append(rl["cost"] / rows[other]["cost"])
+                if rl is not None and rows[other]["feasible"]:
+                    acc.append(rl / rows[other]["cost"])
     return {
         "rl_gap_vs_bruteforce": _mean(gaps),
         "rl_gap_max": max(gaps) if gaps else None,
@@ -171,6 +185,7 @@ def main() -> None:
     problems = shipped_problems()
     for p in problems:
         print(f"{p.name}: {p.n_layers} layers; " + "; ".join(p.describe_resources()))
+    problems += [random_problem(100 + k, n_layers=L, n_resources=R) for k, (L, R) in enumerate(QUICK_SMALL if args.quick else SMALL)]
     problems += [random_problem(s) for s in (QUICK_SEEDS if args.quick else RANDOM_SEEDS)]
 
     print(f"\n{'problem':24} {'space':>9} " + " ".join(f"{p:>20}" for p in PLANNERS))
@@ -188,11 +203,17 @@ def main() -> None:
         print(f"{p.name:24} {p.n_resources:>3}^{p.n_layers:<5} " + " ".join(f"{_fmt(rows.get(n)):>20}" for n in PLANNERS), flush=True)
 
     summary = summarize(results)
+    sampled = summarize(results, "sampled_cost")
+    for k in ("rl_gap_vs_bruteforce", "rl_vs_greedy", "rl_vs_ga", "feasible_rate"):
+        summary[k.replace("rl_", "rl_sampled_") if k.startswith("rl_") else "sampled_" + k] = sampled[k]
     pipeline = None if args.quick else pipeline_figures()
     print()
     for k in ("rl_gap_vs_bruteforce", "rl_vs_greedy", "rl_vs_ga", "feasible_rate"):
         v = summary[k]
-        print(f"{k:22} {'n/a' if v is None else f'{v:.4f}'}   (target {'<=' if k == 'rl_gap_vs_bruteforce' else '<' if k != 'feasible_rate' else '='} {TARGETS[k]})")
+        ks = k.replace("rl_", "rl_sampled_") if k.startswith("rl_") else "sampled_" + k
+        vs = summary[ks]
+        print(f"{k:22} {'n/a' if v is None else f'{v:.4f}'}   (target {'<=' if k == 'rl_gap_vs_bruteforce' else '<' if k != 'feasible_rate' else '='} {TARGETS[k]})"
+              f"   before polish: {'n/a' if vs is None else f'{vs:.4f}'}")
     if pipeline is None:
         print("pipeline: bench/pipeline.py is not available (planned pipeline vs data-parallel not measured)" if not args.quick else "pipeline: skipped (--quick)")
     else:

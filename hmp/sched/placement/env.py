@@ -4,11 +4,11 @@ Episode: ``L`` steps; at step ``i`` the action is the resource index for layer `
 observation is layer ``i``'s features followed by the choices so far (``features.py``); after the
 last step it shows the last layer with the final choice counts. The reward is 0 until the last
 step, then ``cost_model.reward``: the negative cost on a log scale relative to the problem's lower
-bound, or ``-(INFEASIBLE_PENALTY + shortfall)`` when the plan is infeasible. ``info["plan"]`` holds
+bound, or ``-(INFEASIBLE_PENALTY + log1p(shortfall))`` when the plan is infeasible. ``info["plan"]`` holds
 the finished :class:`Plan`.
 
 The RL planner rolls out many episodes at once with the same features and reward (it does not step
-this class, for speed); ``tests/test_placement_env.py`` pins that both agree.
+this class, for speed); ``tests/test_placement.py`` pins the env's reward to the cost model's.
 """
 
 from __future__ import annotations

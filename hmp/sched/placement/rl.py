@@ -11,9 +11,22 @@ The policy (trained from scratch for each problem, like HeterPS's scheduler) is 
 Training: each iteration samples ``batch`` episodes at once, scores them with the cost model and
 ``cost_model.reward`` (the environment's reward), and takes an Adam step on
 ``-mean(advantage * log_prob) - entropy_coef * entropy``. The advantage is the reward minus a
-moving-average baseline, divided by the batch's standard deviation (reward normalisation); the
-entropy bonus decays linearly to zero so the policy explores first and commits later. The best
-plan ever sampled (and the final greedy decode) is kept. Everything is seeded.
+moving-average baseline, divided by a moving average of the batch's standard deviation (reward
+normalisation); the entropy bonus decays linearly to zero so the policy explores first and commits
+later. The infeasibility penalty adapts to just below the worst feasible plan seen.
+
+Three additions to plain REINFORCE, each a switch (docs/placement.md has their effect):
+
+* *elite replay*: the ``elite`` best distinct plans seen are replayed as forced episodes in every
+  batch (scored under the current policy), so good plans keep pulling the policy;
+* *warm start*: the elite starts as the homogeneous plans and the greedy plan, so the policy
+  starts from the greedy baseline instead of i.i.d. noise;
+* *polish*: the best plan is finished by ``local_search.improve`` (segment recolouring, at most
+  ``polish_budget`` evaluations). ``TrainResult.sampled`` keeps the plan before it.
+
+The best plan ever sampled (and the final greedy decode) is kept. Everything is seeded, and the
+whole run, polish included, stays within ``budget`` cost-model evaluations (the sampling
+baselines' budget).
 """
 
 from __future__ import annotations

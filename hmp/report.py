@@ -41,7 +41,8 @@ class RunReport:
             out[w] = {"updates": f.get("updates", 0), "samples": f.get("samples", 0),
                       "samples_per_s": f.get("samples_per_s", 0.0), "bytes_out": f.get("bytes_out", 0),
                       "bytes_in": f.get("bytes_in", 0), "busy_fraction": f.get("busy_fraction", 0.0),
-                      "update_share": f.get("updates", 0) / total_updates, "batch_size": f.get("batch_size", 0)}
+                      "update_share": f.get("updates", 0) / total_updates, "batch_size": f.get("batch_size", 0),
+                      "batch_size_over_time": batch_size_changes(d["series"])}
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -50,8 +51,18 @@ class RunReport:
                 "series": {w: d["series"] for w, d in self.workers.items()}}
 
 
+def batch_size_changes(points: list[dict[str, Any]]) -> list[list[float]]:
+    """``[[t, batch_size], ...]`` at the first report and wherever the batch size changed (the policy resized it)."""
+    out: list[list[float]] = []
+    for p in points:
+        if "batch_size" in p and (not out or out[-1][1] != p["batch_size"]):
+            out.append([p["t"], p["batch_size"]])
+    return out
+
+
 def plot_loss(series: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
-    """PNG of loss against wall time, one line per worker (matplotlib, headless)."""
+    """PNG of loss against wall time: each worker's training loss, and dashed, the test loss of the worker that
+    evaluates (what ``train.target_loss`` stops on); matplotlib, headless."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,8 +73,11 @@ def plot_loss(series: dict[str, list[dict[str, Any]]], path: Path, title: str) -
         pts = [(p["t"], p["loss"]) for p in points if "loss" in p]
         if pts:
             ax.plot(*zip(*pts), label=name)
+        test = [(p["t"], p["test_loss"]) for p in points if "test_loss" in p]
+        if test:
+            ax.plot(*zip(*test), linestyle="--", label=f"{name} test loss")
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if ax.lines:

@@ -40,9 +40,10 @@ WORKER_KINDS = ("cpu", "gpu")
 class WorkerReport:
     """One worker's progress, as the scheduler received it.
 
-    ``samples_per_s``: examples processed per wall-clock second over the worker's last report
-    interval (not per busy second: waiting on the PS counts against it, as it does for update
-    balance). ``updates``: model updates since the worker started (cumulative). ``loss``: mean
+    ``samples_per_s``: examples processed per second over the worker's last report interval. The
+    scheduler passes per *compute* second by default (``hogbatch_adapter``: wall-clock speed grows
+    with the batch when each update has a fixed communication cost, which made Adaptive Hogbatch
+    run away); per wall-clock second with ``policy_args.speed = "wall"``. ``updates``: model updates since the worker started (cumulative). ``loss``: mean
     training loss over the interval, ``nan`` when not measured. ``busy_fraction``: share of the
     interval spent computing, in [0, 1]. ``batch_size``: the batch size used in the interval.
     ``time_s``: the worker's clock when it wrote the report, in seconds; only used to drop

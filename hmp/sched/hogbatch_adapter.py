@@ -5,6 +5,13 @@ worker's previous report, turns the difference into a :class:`WorkerReport` and 
 policy's batch size and data share for the reporting worker. Knobs the config leaves out default
 from the topology: ``sync`` takes ``[train] batch_size``; ``hogbatch`` takes the CPU and GPU
 workers' configured batch sizes; ``adaptive`` takes the CPU worker's as ``base_batch``.
+
+Speeds are measured on *compute* time by default (``policy_args.speed = "compute"``): examples per
+second spent in forward/backward (the worker's ``busy_s``), not per wall-clock second. With a fixed
+cost per update (the push/pull round trip), wall-clock speed grows with the batch size itself, so
+Adaptive Hogbatch, which sizes batches in proportion to speed, fed its own output back and grew the
+GPU batch without bound (bench/hogbatch.py, docs/hogbatch.md). Compute speed is a property of the
+device and the model, as the paper's rule assumes. ``speed = "wall"`` restores the old measure.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ class HogbatchAdapter:
 
     def __init__(self, cfg: Config) -> None:
         knobs = {**default_knobs(cfg), **cfg.train.policy_args}
+        self.speed_basis = knobs.pop("speed", "compute")
+        if self.speed_basis not in ("compute", "wall"):
+            raise ConfigError(cfg.path, "train.policy_args.speed", f'"compute" or "wall", got {self.speed_basis!r}')
         try:
             self.policy = make_policy(cfg.train.policy, **knobs)
         except ValueError as exc:
@@ -54,12 +64,15 @@ class HogbatchAdapter:
         t_prev, s_prev, b_prev = self.last.get(worker_id, (0.0, 0.0, 0.0))
         self.last[worker_id] = (now_s, samples, busy)
         dt = now_s - t_prev
+        busy_dt = busy - b_prev
         if dt > 0 and samples > s_prev:
             loss = metrics.get("loss", math.nan)
+            # Compute speed when the worker measured busy time for this interval (see the module doc).
+            per_s = busy_dt if self.speed_basis == "compute" and busy_dt > 0 else dt
             report = WorkerReport(
-                worker_id=worker_id, kind=self.kinds.get(worker_id, "cpu"), samples_per_s=(samples - s_prev) / dt,
+                worker_id=worker_id, kind=self.kinds.get(worker_id, "cpu"), samples_per_s=(samples - s_prev) / per_s,
                 updates=int(metrics.get("updates", 0)), loss=float(loss) if loss == loss else math.nan,
-                busy_fraction=min(1.0, max(0.0, (busy - b_prev) / dt)),
+                busy_fraction=min(1.0, max(0.0, busy_dt / dt)),
                 batch_size=max(1, int(metrics.get("batch_size", 1))), time_s=now_s)
             self.assignments = self.policy.update([report], now_s)
         a = self.assignments.get(worker_id)

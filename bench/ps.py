@@ -382,7 +382,7 @@ def _ddp_worker(rank: int, port: int, stop_at: Any, conn: Any, barrier: Any) -> 
                 stop_at.value = -1
             barrier.wait()
             dist.barrier()
-            train_s, eval_s, reached = 0.0, 0.0, None
+            eval_s, reached = 0.0, None
             t_start = time.perf_counter()
             next_eval = eval_every_s
             step, samples, acc = 0, 0, 0.0

@@ -308,3 +308,94 @@ def test_member_export_round_trip_and_no_rng_draw():
             assert k == k2 and torch.equal(v, v2)
     with pytest.raises(IndexError, match=r"\[0, 3\)"):
         fused.export_member(3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.0), nn.ReLU(), nn.Linear(6, 3)),
+    lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Dropout(0.0), nn.Dropout2d(0.0), nn.Flatten(), nn.Linear(48, 2)),
+], ids=["dense", "image"])
+def test_dropout_p0_trains_exactly_like_torch(make):
+    """Dropout(p=0) (and Dropout2d) in training mode is the identity in both worlds: outputs,
+    gradients and K SGD steps match the torch members exactly."""
+    models = _models(make)
+    image = isinstance(models[0][0], nn.Conv2d)
+    shape = (2, 6, 6) if image else (4,)
+    _check_against_torch(models, lambda: torch.randn(N, *shape), layout_in=IMAGE if image else DENSE,
+                         layout_out=DENSE)
+
+
+def test_dropout_in_eval_mode_matches_torch_eval():
+    """With p=0.5 in eval mode every member's output equals its torch model's (no masking)."""
+    models = _models(lambda: nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Linear(6, 3)))
+    fused = fuse_models(copy.deepcopy(models)).eval()
+    x = torch.randn(N, 4)
+    out = fused(broadcast(x, B, DENSE))
+    for b, m in enumerate(models):
+        torch.testing.assert_close(out[b], m.eval()(x), **TOL)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.7])
+def test_dropout_training_mask_rate_and_gradient_per_member(p):
+    """In training, each member drops about p of its own activations (its own mask), scales the
+    rest by 1/(1-p), and back-propagates through exactly the mask it used forward."""
+    torch.manual_seed(1)
+    Bm, n = 4, 3000
+    fused = fuse_models([nn.Sequential(nn.Dropout(p)) for _ in range(Bm)])
+    x = torch.ones(Bm, n, 4, requires_grad=True)
+    y = fused(x)
+    y.sum().backward()
+    for b in range(Bm):
+        dropped = y[b] == 0
+        rate = dropped.float().mean().item()
+        assert abs(rate - p) < 4 * (p * (1 - p) / (n * 4)) ** 0.5 + 1e-3, (b, rate)
+        torch.testing.assert_close(y[b][~dropped], torch.full_like(y[b][~dropped], 1 / (1 - p)))
+        torch.testing.assert_close(x.grad[b], (~dropped).float() / (1 - p))
+    masks = [(y[b] == 0) for b in range(Bm)]
+    assert all(not torch.equal(masks[0], masks[b]) for b in range(1, Bm))
+
+
+def test_dropout_members_must_share_p():
+    """Parameter-free ops are configured alike in every member: a member with another p is refused."""
+    fused = fuse_models([nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"member 1 .*Dropout\(p=0\.3.*expected Dropout\(p=0\.5"):
+        fused.load_member(1, nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.3)))
+
+
+@pytest.mark.parametrize("extra_dims", [(), (2,)], ids=["features-first-chain", "extra-dim-fallback"])
+def test_linear_chain_with_softmax_and_activations_matches_torch(extra_dims):
+    """A chain of Linear layers and activations (run features-first inside FusedSequential),
+    and the per-layer path taken for inputs with extra dims, both match torch; a Softmax inside
+    the chain splits it (it is not elementwise)."""
+    make = lambda: nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 6), nn.Softmax(dim=-1),  # noqa: E731
+                                 nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))
+    _check_against_torch(_models(make), lambda: torch.randn(N, *extra_dims, 5))
+
+
+def test_linear_chain_rejects_wrong_shape_with_the_layer_message():
+    """The features-first chain reports a bad input like FusedLinear does."""
+    fused = fuse_models([nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(B)])
+    with pytest.raises(ValueError, match=r"\[B=3, N, \*, 6\]"):
+        fused(torch.randn(B, N, 5))
+
+
+def _devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_device_argument_places_fused_model_and_members(device):
+    """fuse_models(device=...) / the operators' device= put every parameter and buffer there,
+    outputs match the torch members computed on the same device, and exported members come
+    back on it (CPU here; the same code runs on CUDA where one is present)."""
+    models = _models(lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2),
+                                           nn.Flatten(), nn.Linear(12, 4), nn.LayerNorm(4)))
+    fused = fuse_models(copy.deepcopy(models), device=device)
+    assert all(t.device.type == device for t in list(fused.parameters()) + list(fused.buffers()))
+    x = torch.randn(N, 2, 6, 6)
+    out = fused(broadcast(x.to(device), B, IMAGE))
+    for b, m in enumerate(models):
+        torch.testing.assert_close(out[b].cpu(), m(x), **TOL)
+        assert all(p.device.type == device for p in fused.export_member(b).parameters())
+    lin = FusedLinear(3, 2, B=2, device=device, dtype=torch.float64)
+    assert lin.weight.device.type == device and lin.weight.dtype == torch.float64
+    assert lin.export_member(1).weight.dtype == torch.float64

@@ -74,6 +74,12 @@ class _FusedConvNd(FusedModule):
         else:
             padding = self.padding
         y = self._conv(x, weight, bias, self.stride, padding, self.dilation, groups)
+        if y.dim() == 4 and y.device.type == "cpu":
+            # CPU: keep the B*C_out channels innermost (channels_last). The activations and
+            # pools that follow then vectorise over channels; torch's NCHW max pool walks
+            # one small H x W plane per channel and is ~10x slower at these sizes. Values
+            # are unchanged; the next convolution reads this format without a copy.
+            y = y.contiguous(memory_format=torch.channels_last)
         return y.view(n, self.B, self.out_channels, *y.shape[2:])
 
     def load_member(self, b: int, module: nn.Module) -> None:

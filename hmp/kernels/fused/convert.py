@@ -94,9 +94,48 @@ class FusedSequential(FusedModule):
             self.add_module(name, child)
         self.in_layout, self.out_layout = in_layout, out_layout
 
+    def _runs(self) -> list[tuple[bool, list[FusedModule]]]:
+        """The children in order, grouped: ``(True, run)`` for two or more ``FusedLinear`` with
+        only elementwise ops (activations, Dropout) between or around them, which ``forward``
+        computes features-first (``[B, F, N]``: one transpose in, one out, none per layer);
+        ``(False, [child])`` for anything else. Cached on first use."""
+        cached = self.__dict__.get("_runs_cache")
+        if cached is not None and cached[0] == list(self._modules.values()):
+            return cached[1]
+        children = list(self._modules.values())
+        runs: list[tuple[bool, list[FusedModule]]] = []
+        current: list[FusedModule] = []
+
+        def flush() -> None:
+            if sum(isinstance(c, FusedLinear) for c in current) >= 2:
+                runs.append((True, list(current)))
+            else:
+                runs.extend((False, [c]) for c in current)
+            current.clear()
+
+        for child in children:
+            if isinstance(child, FusedLinear) or type(child) is FusedElementwise:
+                current.append(child)
+            else:
+                flush()
+                runs.append((False, [child]))
+        flush()
+        self.__dict__["_runs_cache"] = (children, runs)
+        return runs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for child in self._modules.values():
-            x = child(x)
+        for chain, run in self._runs():
+            if chain and x.dim() == 3:
+                first = next(c for c in run if isinstance(c, FusedLinear))
+                if x.shape[0] != self.B or x.shape[2] != first.in_features:
+                    return first(x)  # raises the shape error naming [B, N, in_features]
+                h = x.transpose(1, 2)  # [B, F, N]
+                for child in run:
+                    h = child.forward_features_first(h) if isinstance(child, FusedLinear) else child(h)
+                x = h.transpose(1, 2)
+            else:
+                for child in run:
+                    x = child(x)
         return x
 
     def __getitem__(self, i: int) -> FusedModule:

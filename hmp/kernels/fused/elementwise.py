@@ -61,7 +61,12 @@ class FusedChannelwise(FusedElementwise):
             raise ValueError(f"fused {self.torch_type.__name__} expects [N, B={self.B}, C, "
                              f"*{self.spatial_dims} spatial], got {tuple(x.shape)}")
         n, c = x.shape[0], x.shape[2]
-        y = self.fn(x.reshape(n, self.B * c, *x.shape[3:]))
+        x = x.reshape(n, self.B * c, *x.shape[3:])
+        if x.dim() == 4 and x.device.type == "cpu":
+            # channels_last: torch's CPU pools vectorise over channels in this format (the
+            # B*C channels here), while the NCHW kernels walk small planes one at a time.
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = self.fn(x)
         return y.view(n, self.B, c, *y.shape[2:])
 
 

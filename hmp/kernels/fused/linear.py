@@ -42,16 +42,26 @@ class FusedLinear(FusedModule):
             raise ValueError(
                 f"FusedLinear expects [B={self.B}, N, *, {self.in_features}], got {tuple(x.shape)}"
             )
-        lead = x.shape[1:-1]
         # y^T = W x^T per member: the weight gradient then comes out as [B, out, in], the
         # parameter's own layout, so autograd accumulates it without a copy (x W^T would give
         # it transposed). The output is a transposed view, which the next bmm reads for free.
-        xt = x.reshape(self.B, -1, self.in_features).transpose(1, 2)  # [B, in, N*]
+        flat = x.dim() == 3  # [B, N, in]: no reshape/unflatten (two fewer autograd nodes)
+        xt = (x if flat else x.reshape(self.B, -1, self.in_features)).transpose(1, 2)  # [B, in, N*]
         if self.bias is None:
             yt = torch.bmm(self.weight, xt)
         else:
             yt = torch.baddbmm(self.bias.unsqueeze(-1), self.weight, xt)
-        return yt.transpose(1, 2).unflatten(1, lead)
+        y = yt.transpose(1, 2)
+        return y if flat else y.unflatten(1, x.shape[1:-1])
+
+    def forward_features_first(self, xt: torch.Tensor) -> torch.Tensor:
+        """The same map on ``[B, in_features, N]`` (features before samples), giving
+        ``[B, out_features, N]``: what ``forward`` computes between its two transposes. A
+        ``FusedSequential`` runs a chain of Linear layers and activations in this form, so the
+        transposes happen once per chain instead of twice per layer."""
+        if self.bias is None:
+            return torch.bmm(self.weight, xt)
+        return torch.baddbmm(self.bias.unsqueeze(-1), self.weight, xt)
 
     def load_member(self, b: int, module: nn.Module) -> None:
         self._check_member(b, module)

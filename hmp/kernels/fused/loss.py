@@ -30,15 +30,17 @@ def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_in
 
     With ``ignore_index`` set, samples whose target equals it are left out of the member's
     mean, as in torch. Unlike torch the default is ``None`` (every target must be a class
-    index), which takes a shorter path: ``log_softmax``, one ``gather``, one mean.
+    index), which takes a shorter path: one ``cross_entropy`` over ``[B, C, N]``, one mean.
     """
     if logits.dim() != 3:
         raise ValueError(f"expected logits [B, N, C], got {tuple(logits.shape)}")
     B, N, C = logits.shape
     t = _target_per_member(target, B, (N,))
     if ignore_index is None and label_smoothing == 0.0:
-        logp = torch.log_softmax(logits, dim=-1)
-        return -logp.gather(-1, t.unsqueeze(-1)).squeeze(-1).mean(1)
+        # Classes on dim 1 ([B, C, N], torch's "K-dimensional" form): one kernel pair for all
+        # members, and for a FusedLinear head (whose output is a transposed view of a
+        # contiguous [B, C, N]) the class dim needs no copy.
+        return F.cross_entropy(logits.transpose(1, 2), t, reduction="none").mean(1)
     per_sample = F.cross_entropy(logits.reshape(B * N, C), t.reshape(B * N), reduction="none",
                                  ignore_index=-100 if ignore_index is None else ignore_index,
                                  label_smoothing=label_smoothing).view(B, N)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from numbers import Real
 
 import torch
@@ -50,28 +51,52 @@ class _Coefs:
         self._cache: dict[tuple, torch.Tensor] = {}
         self._limit = limit
 
-    def __call__(self, values: Sequence[float], p: torch.Tensor) -> Coef:
-        first = values[0]
-        if all(v == first for v in values):
-            return float(first)
+    def _tensor(self, values: Sequence[float], p: torch.Tensor) -> torch.Tensor:
         key = (tuple(values), p.dtype, p.device)
         t = self._cache.get(key)
         if t is None:
             if len(self._cache) >= self._limit:  # a schedule changes values every epoch
                 self._cache.clear()
             t = self._cache[key] = torch.tensor(values, dtype=p.dtype, device=p.device)
-        return t.view((len(values),) + (1,) * (p.dim() - 1))
+        return t
+
+    def each(self, values: Sequence[float], params: Sequence[torch.Tensor]) -> float | list[torch.Tensor]:
+        """``values`` for a list of parameters at once (the ``torch._foreach_*`` operand): one
+        float when all members agree, else one ``[B, 1, ..., 1]`` view per parameter."""
+        first = values[0]
+        if all(v == first for v in values):
+            return float(first)
+        t = self._tensor(values, params[0])
+        B = len(values)
+        return [t.view((B,) + (1,) * (p.dim() - 1)) for p in params]
+
+
+def _foreach_add_scaled_(ys: list[torch.Tensor], xs: list[torch.Tensor], a) -> None:
+    """``y += a * x`` for every pair, ``a`` a float or a list of broadcastable tensors."""
+    if isinstance(a, float):
+        torch._foreach_add_(ys, xs, alpha=a)
+    else:
+        torch._foreach_addcmul_(ys, xs, a)
+
+
+def _foreach_add_scaled(ys: list[torch.Tensor], xs: list[torch.Tensor], a) -> list[torch.Tensor]:
+    """``y + a * x`` for every pair (new tensors)."""
+    if isinstance(a, float):
+        return torch._foreach_add(ys, xs, alpha=a)
+    return torch._foreach_addcmul(ys, xs, a)
+
+
+def _foreach_scale_(xs: list[torch.Tensor], a) -> None:
+    """``x *= a`` for every tensor, ``a`` a float or a list of broadcastable tensors."""
+    if isinstance(a, float):
+        if a != 1.0:
+            torch._foreach_mul_(xs, a)
+    else:
+        torch._foreach_mul_(xs, a)
 
 
 def _is_zero(c: Coef) -> bool:
     return isinstance(c, float) and c == 0.0
-
-
-def _add_scaled(y: torch.Tensor, x: torch.Tensor, a: Coef, inplace: bool = False) -> torch.Tensor:
-    """``y + a * x`` (in place into ``y`` when ``inplace``), ``a`` a float or a tensor."""
-    if isinstance(a, float):
-        return y.add_(x, alpha=a) if inplace else y.add(x, alpha=a)
-    return y.addcmul_(x, a) if inplace else torch.addcmul(y, x, a)
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -91,6 +116,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"B must be an int >= 1, got {B!r}")
         self.B = B
         self._coefs = _Coefs()
+        self._plans: dict[int, object] = {}  # id(param group) -> cached step coefficients
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -135,43 +161,103 @@ class FusedSGD(_FusedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One SGD step for every member; returns ``closure()``'s loss if given."""
+        """One SGD step for every member; returns ``closure()``'s loss if given.
+
+        Every update is a ``torch._foreach_*`` call over all of a group's parameters (a few
+        kernels per step whatever the number of parameters), in torch's single-tensor order
+        of operations: ``g += wd * p``; ``buf = momentum * buf + (1 - dampening) * g``;
+        ``p -= lr * buf`` (or ``g + momentum * buf`` with Nesterov).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            momentum = group["momentum"]
-            use_momentum = any(m != 0 for m in momentum)
-            # torch skips momentum for a member with momentum 0; with buf = 0*buf + 1*g the
-            # shared buffer gives that member exactly g, so its dampening must count as 0.
-            dampening = [0.0 if m == 0 else d for m, d in zip(momentum, group["dampening"])]
-            keep = [1.0 - d for d in dampening]
-            neg_lr = [-v for v in group["lr"]]
-            c = self._coefs
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = -p.grad if group["maximize"] else p.grad
-                wd = c(group["weight_decay"], p)
-                if not _is_zero(wd):
-                    g = _add_scaled(g, p, wd)
-                if use_momentum:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    m = c(momentum, p)
-                    if buf is None:
-                        buf = state["momentum_buffer"] = g.clone().detach()
-                    else:
-                        k = c(keep, p)
-                        if isinstance(m, float) and k == 1.0:
-                            torch.add(g, buf, alpha=m, out=buf)  # buf = m*buf + g in one pass
-                        else:
-                            buf.mul_(m)
-                            _add_scaled(buf, g, k, inplace=True)
-                    g = _add_scaled(g, buf, m) if group["nesterov"] else buf
-                _add_scaled(p, g, c(neg_lr, p), inplace=True)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            plan = self._plan(group, params)
+            grads = [p.grad for p in params]
+            if group["maximize"]:
+                grads = torch._foreach_neg(grads)
+            if plan.wd is not None:
+                grads = _foreach_add_scaled(grads, params, plan.wd)
+            if plan.momentum is not None:
+                bufs = plan.bufs
+                if bufs is not None and self.state[params[0]].get("momentum_buffer") is not bufs[0]:
+                    bufs = plan.bufs = None  # the state was replaced or cleared
+                if bufs is None:
+                    bufs = self._momentum_buffers(params, grads, group)
+                    if len(plan.params) == len(params):
+                        plan.bufs = bufs  # every buffer exists from now on
+                else:
+                    _foreach_scale_(bufs, plan.momentum)
+                    _foreach_add_scaled_(bufs, grads, plan.keep)
+                grads = _foreach_add_scaled(grads, bufs, plan.momentum) if group["nesterov"] else bufs
+            _foreach_add_scaled_(params, grads, plan.neg_lr)
         return loss
+
+    def _plan(self, group: dict, params: list[torch.Tensor]) -> "_SGDPlan":
+        """The step's coefficients for ``group``, rebuilt only when a hyper-parameter (say, a
+        scheduler's lr) or the set of parameters with gradients changed."""
+        key = (tuple(group["lr"]), tuple(group["momentum"]), tuple(group["dampening"]),
+               tuple(group["weight_decay"]), tuple(map(id, params)))
+        plan = self._plans.get(id(group))
+        if plan is not None and plan.key == key:
+            return plan
+        c = self._coefs
+        wd = c.each(group["weight_decay"], params)
+        momentum = group["momentum"]
+        use_momentum = any(m != 0 for m in momentum)
+        # torch skips momentum for a member with momentum 0; with buf = 0*buf + 1*g the shared
+        # buffer gives that member exactly g, so its dampening must count as 0.
+        keep = [1.0 if m == 0 else 1.0 - d for m, d in zip(momentum, group["dampening"])]
+        plan = _SGDPlan(
+            key=key, params=params,
+            wd=None if _is_zero(wd) else wd,
+            momentum=c.each(momentum, params) if use_momentum else None,
+            keep=c.each(keep, params) if use_momentum else None,
+            neg_lr=c.each([-v for v in group["lr"]], params),
+        )
+        self._plans[id(group)] = plan
+        return plan
+
+    def _momentum_buffers(self, params, grads, group) -> list[torch.Tensor]:
+        """Every parameter's momentum buffer updated with this step's gradient; a missing one
+        starts as the gradient itself (torch's first step: no dampening)."""
+        c = self._coefs
+        bufs, old_p, old_b, new_g = [], [], [], []
+        for p, g in zip(params, grads):
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = g.clone().detach()
+            else:
+                old_p.append(p)
+                old_b.append(buf)
+                new_g.append(g)
+            bufs.append(buf)
+        if old_b:
+            momentum = group["momentum"]
+            keep = [1.0 if m == 0 else 1.0 - d for m, d in zip(momentum, group["dampening"])]
+            _foreach_scale_(old_b, c.each(momentum, old_p))
+            _foreach_add_scaled_(old_b, new_g, c.each(keep, old_p))
+        return bufs
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._plans.clear()
+
+
+@dataclass(slots=True)
+class _SGDPlan:
+    key: tuple
+    params: list
+    wd: object
+    momentum: object
+    keep: object
+    neg_lr: object
+    bufs: list | None = None
 
 
 class FusedAdam(_FusedOptimizer):
@@ -197,61 +283,69 @@ class FusedAdam(_FusedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Adam(W) step for every member; returns ``closure()``'s loss if given."""
+        """One Adam(W) step for every member; returns ``closure()``'s loss if given.
+
+        ``torch._foreach_*`` calls over all of a group's parameters, in torch's single-tensor
+        order of operations (bias corrections computed per member in double precision).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        c = self._coefs
         for group in self.param_groups:
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             beta1 = [b[0] for b in group["betas"]]
             beta2 = [b[1] for b in group["betas"]]
-            one_minus_b1 = [1.0 - b for b in beta1]
-            one_minus_b2_values = [1.0 - b for b in beta2]
-            decay = [1.0 - a * w for a, w in zip(lr, wd)]
-            use_wd = any(v != 0 for v in wd)
-            c = self._coefs
+            amsgrad = group["amsgrad"]
+            # parameters bucketed by their step count (all alike unless some missed a step)
+            buckets: dict[int, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = -p.grad if group["maximize"] else p.grad
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group["amsgrad"]:
+                    if amsgrad:
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                step = state["step"]
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-
-                if use_wd:
+                buckets.setdefault(state["step"], []).append(p)
+            for step, params in buckets.items():
+                states = [self.state[p] for p in params]
+                grads = [p.grad for p in params]
+                if group["maximize"]:
+                    grads = torch._foreach_neg(grads)
+                exp_avg = [s["exp_avg"] for s in states]
+                exp_avg_sq = [s["exp_avg_sq"] for s in states]
+                if any(v != 0 for v in wd):
                     if group["decoupled_weight_decay"]:
-                        p.mul_(c(decay, p))
+                        _foreach_scale_(params, c.each([1.0 - a * w for a, w in zip(lr, wd)], params))
                     else:
-                        g = _add_scaled(g, p, c(wd, p))
-                exp_avg.lerp_(g, c(one_minus_b1, p))
-                exp_avg_sq.mul_(c(beta2, p))
-                one_minus_b2 = c(one_minus_b2_values, p)
+                        grads = _foreach_add_scaled(grads, params, c.each(wd, params))
+                one_minus_b1 = c.each([1.0 - b for b in beta1], params)
+                torch._foreach_lerp_(exp_avg, grads, one_minus_b1)
+                _foreach_scale_(exp_avg_sq, c.each(beta2, params))
+                one_minus_b2 = c.each([1.0 - b for b in beta2], params)
                 if isinstance(one_minus_b2, float):
-                    exp_avg_sq.addcmul_(g, g, value=one_minus_b2)
+                    torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=one_minus_b2)
                 else:
-                    exp_avg_sq.addcmul_(g * one_minus_b2, g)
-                # bias corrections in double precision per member, as torch computes them
-                step_size = [a / (1 - b**step) for a, b in zip(lr, beta1)]
-                bc2_sqrt = [math.sqrt(1 - b**step) for b in beta2]
-                if group["amsgrad"]:
-                    torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
-                    second = state["max_exp_avg_sq"]
+                    torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(grads, one_minus_b2), grads)
+                if amsgrad:
+                    second = [s["max_exp_avg_sq"] for s in states]
+                    torch._foreach_maximum_(second, exp_avg_sq)
                 else:
                     second = exp_avg_sq
-                denom = second.sqrt().div_(c(bc2_sqrt, p)).add_(c(eps, p))
-                neg_step = c([-s for s in step_size], p)
+                denom = torch._foreach_sqrt(second)
+                # a float or a list of [B, 1, ...] tensors: both are foreach operands
+                torch._foreach_div_(denom, c.each([math.sqrt(1 - b**step) for b in beta2], params))
+                torch._foreach_add_(denom, c.each(eps, params))
+                neg_step = c.each([-a / (1 - b**step) for a, b in zip(lr, beta1)], params)
                 if isinstance(neg_step, float):
-                    p.addcdiv_(exp_avg, denom, value=neg_step)
+                    torch._foreach_addcdiv_(params, exp_avg, denom, value=neg_step)
                 else:
-                    p.addcmul_(exp_avg / denom, neg_step)
+                    torch._foreach_addcmul_(params, torch._foreach_div(exp_avg, denom), neg_step)
         return loss
 
 

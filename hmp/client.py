@@ -13,13 +13,13 @@ parameters (the one necessary copy: receive frame -> parameter storage).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
 
 from hmp.config import Config
-from hmp.messages import Leave, Params, Pull, Push
+from hmp.messages import Leave, Message, Params, Pull, Push
 from hmp.nodes.base import limits_of
 from hmp.ps.plan import ModelPlan
 from hmp.transport.endpoint import Client
@@ -88,6 +88,14 @@ class PSClient:
 
     async def push(self, samples: int = 0) -> int:
         """Send the flat gradient buffer's chunks to their shards; apply the new values. Returns the version."""
+        for r in await asyncio.gather(*self.push_requests(samples)):
+            self._write(r)
+        return self.version
+
+    def push_requests(self, samples: int = 0) -> list[Coroutine[Any, Any, Message]]:
+        """The requests of :meth:`push`, one per shard holding keys, not yet sent (they send when first
+        run); each returns its shard's ``params`` reply, which :meth:`write` applies. Until every reply
+        has arrived the gradient buffer must not be written (the frames are its own memory)."""
         grads = self._grads
         if self._staging is not None:
             for k, g in grads.items():
@@ -102,9 +110,12 @@ class PSClient:
                 g = tuple(grads[k] for k in keys)
                 self.bytes_out += sum(t.numel() * t.element_size() for t in g)
                 reqs.append(c.request(Push(keys=keys, grads=g, version=self.version, samples=samples)))
-        for r in await asyncio.gather(*reqs):
-            self._write(r)
-        return self.version
+        return reqs
+
+    def write(self, reply: Message) -> None:
+        """Apply one shard's ``params`` reply (of :meth:`push_requests`) to the model's parameters."""
+        assert isinstance(reply, Params), reply
+        self._write(reply)
 
     async def leave(self, reason: str = "done") -> None:
         """Tell every shard this client is done (it stops counting in sync rounds and SSP bounds)."""

@@ -122,9 +122,13 @@ class PlacementConfig:
     enabled: bool = _field(False, "run the job as a planned pipeline of stages (docs/pipeline.md)")
     planner: str = _field("bruteforce", "planner name in hmp.sched.placement.registry (bruteforce, greedy, "
                                         "random, ga, rl)")
-    resources: list = _field([], "resource types: tables with name, price_per_hour, speed_scale (number or "
-                                 "{kind: factor}), measured (bool); the count is the joined workers of the type")
+    resources: list = _field([], "resource types: tables with name, price_per_hour and optionally measured "
+                                 "(true/false/\"auto\"), device, speed_scale (number or {kind: factor}), overhead_s, "
+                                 "times_s (docs/placement.md); the count is the joined workers of the type")
     bandwidth_bytes_per_s: float = _field(1e9, "link bandwidth between stages the cost model assumes")
+    message_overhead_s: float = _field(1.2e-4, "fixed seconds per message across a stage boundary the cost model "
+                                               "adds (one each way per micro-batch); the default was measured on "
+                                               "this runtime over loopback")
     min_throughput: float = _field(100.0, "samples/s the planned pipeline must sustain")
     micro_batches: int = _field(4, "micro-batches per step (GPipe fill/drain); a stage uses at most this many "
                                    "workers")
@@ -337,11 +341,35 @@ def validate(cfg: Config) -> None:
     _validate_placement(cfg)
 
 
-_RESOURCE_KEYS = {"name": str, "price_per_hour": (int, float), "speed_scale": (int, float, dict), "measured": bool}
+def worker_counts(cfg: Config) -> dict[str, int]:
+    """Configured workers per ``[placement]`` resource type (a worker's ``resource``, default its role)."""
+    counts: dict[str, int] = {}
+    for n in cfg.workers:
+        counts[n.resource or n.role] = counts.get(n.resource or n.role, 0) + 1
+    return counts
+
+
+def placement_table(cfg: Config, samples: float = 1.0) -> dict[str, Any]:
+    """``[placement]`` as the mapping the planner validates and profiles with
+    (``hmp.sched.placement.spec.parse_spec``): the table's planner keys plus the demand the job gives
+    elsewhere (``train.batch_size``; ``samples``: epochs times the training set, known once the data
+    is loaded). Profiling uses the workers' torch threads when they all agree."""
+    pl = cfg.placement
+    threads = {n.threads for n in cfg.workers}
+    table: dict[str, Any] = {
+        "resources": [dict(r) if isinstance(r, dict) else r for r in pl.resources],
+        "bandwidth_bytes_per_s": pl.bandwidth_bytes_per_s, "message_overhead_s": pl.message_overhead_s,
+        "min_throughput": pl.min_throughput, "micro_batches": pl.micro_batches, "profile_repeats": pl.profile_repeats,
+        "batch_size": cfg.train.batch_size, "samples": samples,
+    }
+    if len(threads) == 1:
+        table["num_threads"] = threads.pop()
+    return table
 
 
 def _validate_placement(cfg: Config) -> None:
-    """[placement]: resource tables well-formed, every worker's resource type declared."""
+    """[placement]: the runtime's keys here, the planner's (resources, link, demand) by the planner's own
+    ``parse_spec``, which names the bad key; every worker's resource type declared."""
     p, pl = cfg.path, cfg.placement
     if not pl.enabled:
         return
@@ -352,35 +380,6 @@ def _validate_placement(cfg: Config) -> None:
                                                   "at their own pace)")
     if not pl.resources:
         raise ConfigError(p, "placement.resources", "at least one resource table when placement is enabled")
-    names: list[str] = []
-    for i, r in enumerate(pl.resources):
-        k = f"placement.resources[{i}]"
-        if not isinstance(r, dict):
-            raise ConfigError(p, k, "a table with name, price_per_hour, speed_scale, measured")
-        for key, value in r.items():
-            typ = _RESOURCE_KEYS.get(key)
-            if typ is None:
-                raise ConfigError(p, f"{k}.{key}", f"unknown key; expected one of {sorted(_RESOURCE_KEYS)}")
-            if not isinstance(value, typ) or (typ != bool and isinstance(value, bool)):
-                raise ConfigError(p, f"{k}.{key}", f"expected {key} of type {typ}, got {value!r}")
-        if not r.get("name"):
-            raise ConfigError(p, f"{k}.name", "a non-empty resource type name")
-        if r["name"] in names:
-            raise ConfigError(p, f"{k}.name", f"a unique name; {r['name']!r} appears twice")
-        names.append(r["name"])
-        if r.get("price_per_hour", 0) < 0:
-            raise ConfigError(p, f"{k}.price_per_hour", "a number >= 0")
-        scale = r.get("speed_scale", 1.0)
-        for v in (scale.values() if isinstance(scale, dict) else [scale]):
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(p, f"{k}.speed_scale", f"numbers > 0, got {scale!r}")
-    for i, n in enumerate(cfg.nodes):
-        if n.role in WORKER_ROLES and (n.resource or n.role) not in names:
-            raise ConfigError(p, f"nodes[{i}].resource", f"one of the [placement] resources {names}, got "
-                                                         f"{n.resource or n.role!r}")
-    for key in ("bandwidth_bytes_per_s", "min_throughput"):
-        if getattr(pl, key) <= 0:
-            raise ConfigError(p, f"placement.{key}", "a number > 0")
     if pl.planner not in PLANNER_NAMES:
         raise ConfigError(p, "placement.planner", f"one of {list(PLANNER_NAMES)}, got {pl.planner!r}")
     if pl.micro_batches < 1:
@@ -389,10 +388,18 @@ def _validate_placement(cfg: Config) -> None:
         raise ConfigError(p, "train.batch_size", f"a multiple of placement.micro_batches ({pl.micro_batches})")
     if not 0.0 <= pl.min_gain < 1.0:
         raise ConfigError(p, "placement.min_gain", "a fraction in [0, 1)")
-    if pl.profile_repeats < 1:
-        raise ConfigError(p, "placement.profile_repeats", "an integer >= 1")
     if pl.join_wait_s < 0:
         raise ConfigError(p, "placement.join_wait_s", "a number >= 0")
+    # The planner's keys: validated where they are read (imported here only for placement jobs: torch).
+    from hmp.sched.placement.spec import parse_spec
+
+    names = [r.get("name") for r in pl.resources if isinstance(r, dict)]
+    counts = worker_counts(cfg)
+    parse_spec(placement_table(cfg), path=p, counts={n: counts.get(n, 0) for n in names if isinstance(n, str)})
+    for i, n in enumerate(cfg.nodes):
+        if n.role in WORKER_ROLES and (n.resource or n.role) not in names:
+            raise ConfigError(p, f"nodes[{i}].resource", f"one of the [placement] resources {names}, got "
+                                                         f"{n.resource or n.role!r}")
 
 
 #: environment variable -> (section, key); the only environment overrides hmp reads.

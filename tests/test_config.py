@@ -105,3 +105,40 @@ def test_reference_lists_every_section():
     for section in ("[job]", "[model]", "[data]", "[optimizer]", "[train]", "[ps]", "[limits]", "[[nodes]]"):
         assert section in ref
     assert "`consistency`" in ref and "`chunk_bytes`" in ref
+
+
+PIPELINE = (ROOT / "conf/click_pipeline.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("patch", "key", "expected"),
+    [
+        (("sparse = 0.1,", "sparse = -1.0,"), "placement.resources[1].speed_scale.sparse", "a number > 0"),
+        (('{ name = "cpu", price_per_hour = 0.17,', '{ name = "cpu", cost = 0.17,'), "placement.resources[0].cost",
+         "unknown key"),
+        (("measured = false, speed_scale = { sparse = 0.1, dense = 8.0, elementwise = 4.0 }", "measured = false"),
+         "placement.resources[1].speed_scale", "required for a type that is not measured"),
+        (("min_gain = 0.1", "min_gain = 0.1\nmessage_overhead_s = -1.0"), "placement.message_overhead_s", ">= 0"),
+        (('resource = "accel"', 'resource = "tpu"'), "nodes[5].resource", "one of the [placement] resources"),
+        (("micro_batches = 4", "micro_batches = 3"), "train.batch_size", "a multiple of placement.micro_batches"),
+    ],
+)
+def test_placement_errors_name_file_key_and_expectation(patch, key, expected):
+    """[placement] is validated at load by the planner's own parse_spec (resources, link, demand) and the runtime's
+    checks (workers' types, micro-batches): each error names the file, the key and what was expected."""
+    assert patch[0] in PIPELINE
+    with pytest.raises(ConfigError) as info:
+        loads(PIPELINE.replace(*patch, 1), "pipe.toml")
+    assert info.value.path == "pipe.toml" and info.value.key == key, str(info.value)
+    assert expected in str(info.value)
+
+
+def test_placement_message_overhead_default_is_the_planners():
+    """[placement] message_overhead_s defaults to the figure the planner's spec uses (measured on this runtime)."""
+    from hmp.config import placement_table
+    from hmp.sched.placement.spec import DEFAULT_MESSAGE_OVERHEAD_S, parse_spec
+
+    cfg = load(ROOT / "conf/click_pipeline.toml")
+    assert cfg.placement.message_overhead_s == DEFAULT_MESSAGE_OVERHEAD_S
+    spec = parse_spec(placement_table(cfg, 1e5), counts={"cpu": 2, "accel": 1})
+    assert spec.micro_batches == cfg.placement.micro_batches and spec.reps == cfg.placement.profile_repeats

@@ -6,6 +6,7 @@ the formulas in docs/placement.md (``naive_cost``), not against itself.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -24,15 +25,18 @@ from hmp.sched.placement.synthetic import random_problem
 pytestmark = pytest.mark.timeout(60)
 
 
-def hand_problem(bandwidth: float = 1e9, cpu_count: int = 4, gpu_count: int = 1) -> PlacementProblem:
-    """3 layers, cpu ($1/h) and gpu ($3/h); tau = 100 / 10_000 = 10 ms per batch."""
+def hand_problem(bandwidth: float = 1e9, cpu_count: int = 4, gpu_count: int = 1, message_overhead_s: float = 0.0,
+                 messages_per_batch: int = 1) -> PlacementProblem:
+    """3 layers, cpu ($1/h) and gpu ($3/h); tau = 100 / 10_000 = 10 ms per batch; no per-message overhead
+    unless given (a PlacementProblem built directly defaults to a pure-bandwidth link)."""
     layers = (
         LayerProfile("0", "sparse", {"cpu": 0.020, "gpu": 0.010}, out_bytes=1_000_000),
         LayerProfile("1", "dense", {"cpu": 0.030, "gpu": 0.004}, out_bytes=2_000_000),
         LayerProfile("2", "dense", {"cpu": 0.010, "gpu": 0.002}, out_bytes=8),
     )
     resources = (ResourceType("cpu", 1.0, cpu_count), ResourceType("gpu", 3.0, gpu_count, measured=False))
-    return PlacementProblem(layers, resources, batch_size=100, samples_to_train=3.6e7, min_throughput=1e4, bandwidth_bytes_per_s=bandwidth)
+    return PlacementProblem(layers, resources, batch_size=100, samples_to_train=3.6e7, min_throughput=1e4, bandwidth_bytes_per_s=bandwidth,
+                            message_overhead_s=message_overhead_s, messages_per_batch=messages_per_batch)
 
 
 def naive_cost(p: PlacementProblem, a: tuple[int, ...]) -> tuple[bool, float, list[int]]:
@@ -48,7 +52,8 @@ def naive_cost(p: PlacementProblem, a: tuple[int, ...]) -> tuple[bool, float, li
     for s, e, r in stages:
         compute = sum(p.layers[i].time_s[p.resources[r].name] for i in range(s, e))
         crossing = (p.layers[s - 1].out_bytes if s > 0 else 0) + (p.layers[e - 1].out_bytes if e < len(a) else 0)
-        transfer = 2 * crossing / p.bandwidth_bytes_per_s
+        boundaries = (s > 0) + (e < len(a))
+        transfer = 2 * crossing / p.bandwidth_bytes_per_s + boundaries * 2 * p.messages_per_batch * p.message_overhead_s
         if transfer >= tau:
             feasible, w = False, 1
         else:
@@ -84,6 +89,31 @@ def test_cost_model_two_stage_plan_by_hand():
     assert plan.workers_by_type == (3, 1)
 
 
+def test_cost_model_per_message_overhead_by_hand():
+    """The same plan with 0.25 ms per message and 4 micro-batches: each boundary adds 2 * 4 * 0.25 = 2 ms, so both
+    stages have X = 2 + 2 = 4 ms; cpu: ceil(20 / (10 - 4)) = 4 workers, t = 5 + 4 = 9 ms; gpu: 1 worker,
+    t = 6 + 4 = 10 ms (exactly tau); throughput 100 / 10 ms = 10,000/s; cost (4*$1 + 1*$3) * 3600 s / 3600 = $7."""
+    p = hand_problem(message_overhead_s=0.25e-3, messages_per_batch=4)
+    assert p.boundary_s[0] == pytest.approx(0.002 + 0.002)
+    plan = cost_model.evaluate(p, [0, 1, 1])
+    assert plan.feasible, plan.reason
+    assert [s.transfer_s for s in plan.stages] == [pytest.approx(0.004), pytest.approx(0.004)]
+    assert [s.workers for s in plan.stages] == [4, 1]
+    assert plan.stages[0].time_s == pytest.approx(0.009)
+    assert plan.throughput == pytest.approx(1e4)
+    assert plan.cost == pytest.approx(7.0)
+    # A homogeneous plan has no boundary: the overhead does not touch it.
+    assert cost_model.evaluate(p, [0, 0, 0]).stages[0].transfer_s == 0.0
+    # Enough messages make the stage transfer-bound: 2 boundaries x 2 x 4 x 1.25 ms = 20 ms > tau.
+    heavy = cost_model.evaluate(hand_problem(message_overhead_s=1.25e-3, messages_per_batch=4, cpu_count=100,
+                                             gpu_count=100), [0, 1, 0])
+    assert not heavy.feasible and heavy.stages[1].transfer_bound
+    with pytest.raises(ValueError, match="message_overhead_s"):
+        hand_problem(message_overhead_s=-1.0)
+    with pytest.raises(ValueError, match="messages_per_batch"):
+        hand_problem(messages_per_batch=0)
+
+
 def test_cost_model_fewest_workers_at_exact_budget():
     """cpu alone: C = 60 ms, no transfer; 6 workers give exactly tau = 10 ms -> 6 (not 7), cost 6 x $1 x 1 h."""
     p = hand_problem(cpu_count=6)
@@ -116,6 +146,9 @@ def test_score_matches_the_formulas_on_random_problems():
     rng = np.random.default_rng(0)
     for seed in range(6):
         p = random_problem(seed, n_layers=int(rng.integers(2, 9)))
+        if seed % 2:  # with a per-message overhead of up to a tenth of the budget per boundary crossing
+            p = dataclasses.replace(p, message_overhead_s=float(rng.uniform(0, 0.1)) * p.batch_time_budget_s / 8,
+                                    messages_per_batch=4)
         batch = rng.integers(0, p.n_resources, size=(50, p.n_layers))
         batch[0] = 0  # a homogeneous plan
         sc = cost_model.score(p, batch)

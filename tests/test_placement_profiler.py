@@ -124,6 +124,9 @@ BAD = [
     ("placement.batch_size", lambda c: c.update(batch_size=2.5)),
     ("placement.bandwidth_bytes_per_s", lambda c: c.pop("bandwidth_bytes_per_s")),
     ("placement.reps", lambda c: c.update(reps=0)),
+    ("placement.message_overhead_s", lambda c: c.update(message_overhead_s=-1e-4)),
+    ("placement.micro_batches", lambda c: c.update(micro_batches=0)),
+    ("placement.micro_batches", lambda c: c.update(micro_batches=3)),  # batch_size 4 is not a multiple of 3
     ("placement.bandwith", lambda c: c.update(bandwith=1e9)),
 ]
 
@@ -152,6 +155,7 @@ def test_measuring_an_absent_device_is_a_clear_error():
 def test_runtime_keys_are_ignored():
     spec = parse_spec(config(enabled=True, planner="rl", micro_batches=4, min_gain=0.1, join_wait_s=1.0, use_spare_workers=True, profile_repeats=2))
     assert spec.reps == 3  # "reps" wins over the runtime's "profile_repeats"
+    assert spec.micro_batches == 4  # read: one message each way per micro-batch per boundary
     assert parse_spec({k: v for k, v in config(profile_repeats=2).items() if k != "reps"}).reps == 2
 
 
@@ -159,3 +163,16 @@ def test_profile_rejects_a_batch_of_the_wrong_size():
     model = nn.Sequential(nn.Linear(8, 2))
     with pytest.raises(ValueError, match="batch_size is 4"):
         problem_from_config(config(), model, torch.randn(5, 8))
+
+
+def test_message_overhead_reaches_the_problem():
+    """The link's per-message overhead (default: the figure measured on this runtime) and the micro-batches reach
+    the problem; a cut's cost is 2 * out_bytes / bandwidth + 2 * micro_batches * overhead."""
+    from hmp.sched.placement.spec import DEFAULT_MESSAGE_OVERHEAD_S
+
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    p = problem_from_config(config(), model)
+    assert (p.message_overhead_s, p.messages_per_batch) == (DEFAULT_MESSAGE_OVERHEAD_S, 1)
+    p = problem_from_config(config(message_overhead_s=1e-4, micro_batches=2), model)
+    assert p.boundary_s[0] == pytest.approx(2 * 4 * 6 * 4 / 1e9 + 2 * 2 * 1e-4)
+    assert cost_model.evaluate(p, [0, 1, 1]).stages[0].transfer_s == pytest.approx(p.boundary_s[0])

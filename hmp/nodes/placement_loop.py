@@ -1,8 +1,9 @@
 """The scheduler's placement loop: profile, plan, staff the stages, re-plan on membership changes.
 
 At job start the loop waits until every worker has joined (or ``join_wait_s`` after the first),
-profiles the model layer by layer on this CPU (in a thread: the scheduler keeps answering
-heartbeats), builds the placement problem from ``[placement]``, plans with the configured planner and
+profiles the model layer by layer and builds the placement problem from ``[placement]`` with the
+planner's own profiler (``registry.problem_from_config``, in a thread: the scheduler keeps
+answering heartbeats), plans with the configured planner and
 tells every live worker its stage (``stage_assign``; workers the plan leaves out are on standby).
 Whenever a worker joins late, leaves or is lost, it plans again with ``registry.replan`` (which
 keeps the running assignment unless the new one is cheaper by ``min_gain``), staffs the stages
@@ -17,13 +18,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from hmp.config import placement_table
 from hmp.errors import HmpError
 from hmp.messages import StageAssign
 from hmp.pipeline.assign import StageWorkers, assign_workers, predicted_throughput, runnable
-from hmp.pipeline.profile import LayerTiming, build_problem, profile_layers, resource_types
 from hmp.pipeline.schedule import total_steps
 from hmp.sched.placement.problem import PlacementProblem, Plan
-from hmp.sched.placement.registry import make_planner, replan
+from hmp.sched.placement.profiler import reference_type
+from hmp.sched.placement.registry import make_planner, problem_from_config, replan
 
 if TYPE_CHECKING:
     from hmp.nodes.scheduler import SchedulerNode
@@ -36,7 +38,6 @@ class PlacementLoop:
         self.node, self.cfg = node, node.cfg
         self.pcfg = node.cfg.placement
         self.changed = asyncio.Event()
-        self.timings: list[LayerTiming] = []
         self.problem: PlacementProblem | None = None
         self.plan: Plan | None = None
         self.stages: list[StageWorkers] = []
@@ -79,8 +80,18 @@ class PlacementLoop:
         # Profile once the workers have joined: while they start (importing torch, loading data) the
         # shared cores are busy and layer times come out inflated and noisy.
         await self.wait_for_workers()
-        self.timings = await asyncio.to_thread(profile_layers, model, x, self.pcfg.profile_repeats)
-        self.log.info("profiled", layers={t.name: round(t.seconds * 1e3, 4) for t in self.timings})
+        samples = float(self.cfg.train.epochs * len(node.dataset.y_train))
+        try:
+            self.problem = await asyncio.to_thread(
+                problem_from_config, placement_table(self.cfg, samples), model, x, path=self.cfg.path,
+                counts=self.counts(self.live_workers()), name=self.cfg.model.name)
+        except (HmpError, ValueError) as exc:
+            self.log.error("placement_failed", error=str(exc))
+            node.job_failed = f"placement: {exc}"
+            return
+        ref = reference_type(self.problem)
+        self.log.info("profiled", reference=ref, layers={lay.name: round(lay.time_s[ref] * 1e3, 4) if ref else None
+                                                         for lay in self.problem.layers})
         while not node.job_over.is_set():
             self.changed.clear()
             try:
@@ -110,22 +121,18 @@ class PlacementLoop:
                 live.setdefault(self.resource_of(w.id), []).append(w.id)
         return live
 
-    def build_problem(self, counts: dict[str, int]) -> PlacementProblem:
-        samples = float(self.cfg.train.epochs * len(self.node.dataset.y_train))
-        return build_problem(self.timings, resource_types(self.pcfg.resources, counts),
-                             batch_size=self.cfg.train.batch_size, samples_to_train=samples,
-                             min_throughput=self.pcfg.min_throughput,
-                             bandwidth_bytes_per_s=self.pcfg.bandwidth_bytes_per_s, name=self.cfg.model.name)
+    def counts(self, live: dict[str, list[str]]) -> dict[str, int]:
+        return {r["name"]: len(live.get(r["name"], [])) for r in self.pcfg.resources}
 
     async def replan(self) -> None:
         live = self.live_workers()
         if not live:
             self.log.info("no_live_workers")
             return
-        counts = {r["name"]: len(live.get(r["name"], [])) for r in self.pcfg.resources}
-        if self.problem is None:
-            self.problem = self.build_problem(counts)
-            plan = await asyncio.to_thread(make_planner(self.pcfg.planner).plan, self.problem)
+        assert self.problem is not None
+        counts = self.counts(live)
+        if self.plan is None:
+            plan = await asyncio.to_thread(make_planner(self.pcfg.planner).plan, self.problem.with_counts(counts))
         else:
             current = self.plan.assignment if self.plan is not None else None
             plan = await asyncio.to_thread(replan, self.problem, counts, self.pcfg.planner, current, self.pcfg.min_gain)
@@ -179,25 +186,35 @@ class PlacementLoop:
                  counts: dict[str, int]) -> dict[str, Any]:
         return {"plan": self.plan_id, "planner": plan.planner or self.pcfg.planner, "started_s": round(self.node.elapsed(), 3),
                 "start_step": start_step, "workers_available": counts,
-                "layers": {t.name: problem.resources[r].name for t, r in zip(self.timings, plan.assignment)},
+                "layers": {lay.name: problem.resources[r].name for lay, r in zip(problem.layers, plan.assignment)},
                 "cost": plan.cost if plan.feasible else None, "feasible": plan.feasible, "reason": plan.reason,
                 "predicted_throughput": predicted_throughput(stages),
                 "planned_throughput": plan.throughput,
                 "stages": [{"layers": [s.start, s.stop - 1], "resource": s.resource, "workers": list(s.workers),
                             "planned_workers": p.workers,
                             "provenance": problem.resources[p.resource].provenance,
-                            "predicted_samples_per_s": s.predicted_throughput}
+                            "predicted_samples_per_s": s.predicted_throughput,
+                            # per batch, the cost model's: compute with the stage's workers, and the
+                            # boundary term (bytes at the bandwidth + per-message overhead)
+                            "predicted_compute_ms": s.compute_s / len(s.workers) * 1e3,
+                            "predicted_transfer_ms": s.transfer_s * 1e3}
                            for s, p in zip(stages, plan.stages)]}
 
     def measured(self) -> list[dict[str, float]]:
-        """Per stage of the current plan: samples/s through the stage (its workers summed) and what
-        its compute alone sustained (samples per busy second, summed)."""
+        """Per stage of the current plan: samples/s through the stage (its workers summed), what
+        its compute alone sustained (samples per busy second, summed), and where its workers' wall
+        time went (compute, awaiting the PS push, waiting for messages; the rest is the engine's
+        own work: encode/decode, dispatch, sends)."""
         out = []
         for s in self.stages:
             reports = [self.latest.get(w, {}) for w in s.workers]
             reports = [r for r in reports if r.get("plan") == self.plan_id]
+            n = max(1, len(reports))
             out.append({"samples_per_s": sum(r.get("stage_samples_per_s", 0.0) for r in reports),
                         "compute_samples_per_s": sum(r.get("stage_capacity", 0.0) for r in reports),
+                        # the stage's workers' average share of wall time in compute / push / waiting
+                        **{f"{k}_fraction": sum(r.get(f"stage_{k}_fraction", 0.0) for r in reports) / n
+                           for k in ("busy", "push", "idle")},
                         "reports": len(reports)})
         return out
 
@@ -206,10 +223,14 @@ class PlacementLoop:
             self.history[-1]["measured"] = self.measured()
             self.history[-1]["ended_s"] = round(self.node.elapsed(), 3)
         problem = self.problem
+        ref = reference_type(problem) if problem else None
         return {"planner": self.pcfg.planner, "micro_batches": self.pcfg.micro_batches,
                 "batch_size": self.cfg.train.batch_size, "steps": self.steps,
-                "profile": [{"layer": t.name, "kind": t.kind, "cpu_ms": t.seconds * 1e3, "out_bytes": t.out_bytes,
-                             "param_bytes": t.param_bytes} for t in self.timings],
+                "message_overhead_s": problem.message_overhead_s if problem else None,
+                "bandwidth_bytes_per_s": problem.bandwidth_bytes_per_s if problem else None,
+                "profile": [{"layer": lay.name, "kind": lay.kind, "cpu_ms": lay.time_s[ref] * 1e3 if ref else None,
+                             "ms": {r: t * 1e3 for r, t in lay.time_s.items()}, "out_bytes": lay.out_bytes,
+                             "param_bytes": lay.param_bytes} for lay in (problem.layers if problem else ())],
                 "resources": [{"name": r.name, "price_per_hour": r.price_per_hour, "provenance": r.provenance}
                               for r in (problem.resources if problem else ())],
                 "plans": self.history, "replans": max(0, len(self.history) - 1)}

@@ -7,10 +7,17 @@ gradients back, each stage pushes its own chunks' gradients to the shards at the
 step. A later ``stage_assign`` (a re-plan after a worker joined or left) aborts the step in
 flight, and the worker continues with its new layers from the step the scheduler names.
 
-One engine task handles every event in arrival order (assignments, activations, gradients), so a
-push (which rewrites the stage's parameters in place) never overlaps a forward or backward that
-saved them. Messages of a newer plan or a later step wait in ``held`` until the worker is there;
-messages of an older plan or step are dropped.
+The push is not awaited at the end of the step: the next step starts at once while the shards
+apply it (docs/pipeline.md, "A step"). Its reply is held until a point where no micro-batch's
+graph is saved (a step's first forward, or the next drain) and written into the parameters
+there, so the next step may run on parameters one update old (staleness <= 1, as in async
+training). The gradient buffer is the push's frames (zero-copy), so the next step's first
+backward waits for the reply, which implies the shards received them, before zeroing it.
+
+One engine task handles every event in arrival order (assignments, activations, gradients), so
+writing a push's reply (which rewrites the stage's parameters in place) never overlaps a forward
+or backward that saved them. Messages of a newer plan or a later step wait in ``held`` until the
+worker is there; messages of an older plan or step are dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from hmp.pipeline.layout import stage_chunk_keys
 from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
 from hmp.pipeline.stage import StageCompute
 from hmp.ps.plan import ModelPlan
+from hmp.sched.placement.profiler import param_layers
 from hmp.transport.endpoint import Client
 
 
@@ -50,6 +58,12 @@ class StagePSClient(PSClient):
     def keys(self) -> tuple[int, ...]:
         return tuple(k for _, _, ks in self.shards for k in ks)
 
+    def zero_grads(self) -> None:
+        """Zero the gradient chunks of this stage only (the other layers' never receive any here)."""
+        grads = self._grads
+        for k in self.keys:
+            grads[k].zero_()
+
 
 class StageWorkerNode(Node):
     def __init__(self, cfg: Config, node_id: str) -> None:
@@ -62,13 +76,18 @@ class StageWorkerNode(Node):
         self.peers: dict[str, Client] = {}
         self.stop_requested = False
         self.step_mbs: tuple[int, ...] = ()
+        self.push_task: asyncio.Future[list[Message]] | None = None  # the last push, replies pending
+        self.unwritten: list[Message] = []  # its replies, written at the next point with no saved graph
         self.done_mbs: set[int] = set()
         self.started_step = False
         self.metrics: dict[str, float] = {"samples": 0, "updates": 0, "loss": float("nan"), "epoch": 0,
                                           "plan": -1, "stage": -1, "aborted_micro_batches": 0}
         self.busy_s = 0.0
+        self.push_s = 0.0  # awaiting the PS push's replies (the per-step sync)
+        self.idle_s = 0.0  # waiting for an event (activations, gradients) with nothing to do
         self.t0 = time.monotonic()
         self.plan_t0, self.plan_samples, self.plan_busy = self.t0, 0, 0.0
+        self.plan_push, self.plan_idle = 0.0, 0.0
 
     def handlers(self):
         return {**super().handlers(), Kind.STAGE_ASSIGN: self.on_stage_assign,
@@ -109,6 +128,10 @@ class StageWorkerNode(Node):
             self.failed = f"{exc.__class__.__name__}: {exc}"
             raise
         finally:
+            try:
+                await self.settle_push()  # the last update lands before the worker leaves
+            except Exception as exc:
+                self.log.warning("last_push_failed", error=str(exc))
             reports.cancel()
             await asyncio.gather(reports, return_exceptions=True)
             if not self.failed:
@@ -131,7 +154,14 @@ class StageWorkerNode(Node):
                     await asyncio.sleep(0)  # let the reader hand over what arrived meanwhile
                     if self.events.empty():
                         continue
-                ev = await self.events.get()
+                if self.events.empty():
+                    t0 = time.perf_counter()
+                    ev = await self.events.get()
+                    dt = time.perf_counter() - t0
+                    self.idle_s += dt
+                    self.plan_idle += dt
+                else:
+                    ev = self.events.get_nowait()
                 if ev is None:
                     break
                 await self.handle(ev)
@@ -147,6 +177,7 @@ class StageWorkerNode(Node):
     async def reconfigure(self, a: StageAssign) -> None:
         if self.compute is not None:
             self.metrics["aborted_micro_batches"] += self.compute.abort()
+        await self.settle_push()  # the old stage's last update lands; its buffer is free again
         self.model_plan.flat.zero_grad()
         self.assign, self.compute = a, None
         self.held = [m for m in self.held if getattr(m, "plan", -1) > a.plan]
@@ -154,12 +185,13 @@ class StageWorkerNode(Node):
         self.started_step = False
         self.metrics.update(plan=a.plan, stage=a.stage)
         self.plan_t0, self.plan_samples, self.plan_busy = time.monotonic(), 0, 0.0
+        self.plan_push, self.plan_idle = 0.0, 0.0
         if a.stage < 0:
             self.ps.restrict(())
             self.log.info("standby", plan=a.plan)
             return
         self.compute = StageCompute(self.model_plan.model, a.start, a.stop)
-        self.ps.restrict(stage_chunk_keys(self.model_plan.layout, a.start, a.stop))
+        self.ps.restrict(stage_chunk_keys(self.model_plan.layout, a.start, a.stop, param_layers(self.model_plan.model)))
         await self.ps.pull()  # this stage's parameters, from the shards
         self.step_mbs = micro_batches_of(a.index, a.width, a.micro_batches)
         self.done_mbs = set()
@@ -210,9 +242,12 @@ class StageWorkerNode(Node):
         a, compute = self.assign, self.compute
         assert a is not None and compute is not None
         self.started_step = True
+        if not compute.saved:
+            self.write_push_if_done()  # no graph holds the parameters: take the new values if they are here
         t0 = time.perf_counter()
         out = compute.forward(m, x, labels)
         if compute.last:
+            await self.reclaim_grads()
             grad = compute.backward(m)
             self.busy(t0)
             self.loss(float(out))
@@ -230,6 +265,7 @@ class StageWorkerNode(Node):
         assert a is not None and compute is not None
         if m not in compute.saved:
             return  # not ours, or already done
+        await self.reclaim_grads()
         t0 = time.perf_counter()
         grad_in = compute.backward(m, grad)
         self.busy(t0)
@@ -243,20 +279,25 @@ class StageWorkerNode(Node):
         await self.peers[addresses[worker_for(msg.micro_batch, len(addresses))]].send(msg)
 
     async def maybe_finish_step(self) -> None:
-        """Drain done: push this stage's gradients (the mean over its micro-batches), take the new
-        values, move to the next step and replay what arrived early for it (which may finish it too)."""
+        """Drain done: write the previous push's reply (no graph is saved now), push this stage's
+        gradients (the mean over its micro-batches) without waiting for the reply, move to the next
+        step and replay what arrived early for it (which may finish it too)."""
         while self.assign is not None and self.compute is not None and self.step_mbs \
                 and len(self.done_mbs) >= len(self.step_mbs):
             n = len(self.step_mbs)
             samples = n * self.order.micro_batch_size
             keys = self.ps.keys
             if keys:
+                # This step's first backward took the previous push's replies (reclaim_grads); no
+                # graph is saved now, so its values can be written before this push goes out.
+                assert self.push_task is None
+                self.write_push_if_done()
                 grads = self.ps.plan.grad_views()
                 with torch.no_grad():
                     for k in keys:
                         grads[k].div_(n)  # n per-micro-batch mean gradients were summed
-                await self.ps.push(samples=samples)
-                self.model_plan.flat.zero_grad()
+                self.push_task = asyncio.gather(*self.ps.push_requests(samples=samples))
+                await asyncio.sleep(0)  # let the requests go out now, not after the next step's fill
             self.metrics.update(samples=self.metrics["samples"] + samples, updates=self.metrics["updates"] + 1)
             self.plan_samples += samples
             self.step += 1
@@ -265,6 +306,40 @@ class StageWorkerNode(Node):
             held, self.held = self.held, []
             for m in held:
                 await self.handle(m)
+
+    async def reclaim_grads(self) -> None:
+        """Before a backward accumulates into the gradient buffer: wait for the push in flight (its
+        replies imply the shards received the buffer's frames), keep the replies, zero the buffer."""
+        task = self.push_task
+        if task is None:
+            return
+        self.push_task = None
+        if not task.done():
+            t0 = time.perf_counter()
+            try:
+                await task
+            finally:
+                dt = time.perf_counter() - t0
+                self.push_s += dt
+                self.plan_push += dt
+        self.unwritten = task.result()
+        self.ps.zero_grads()
+
+    def write_push_if_done(self) -> None:
+        """Write the last push's new parameter values if they have arrived (call only with no saved graph)."""
+        task = self.push_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            self.push_task = None
+            self.unwritten = task.result()
+            self.ps.zero_grads()
+        for r in self.unwritten:
+            self.ps.write(r)
+        self.unwritten = []
+
+    async def settle_push(self) -> None:
+        """Wait for the push in flight and write its values (call only with no saved graph)."""
+        await self.reclaim_grads()
+        self.write_push_if_done()
 
     # ---------------------------------------------------------------- metrics
     def busy(self, t0: float) -> None:
@@ -279,12 +354,16 @@ class StageWorkerNode(Node):
     def current_metrics(self) -> dict[str, float]:
         now = time.monotonic()
         plan_wall = max(1e-9, now - self.plan_t0)
-        return {**self.metrics, "step": float(self.step), "busy_s": self.busy_s,
+        return {**self.metrics, "step": float(self.step), "busy_s": self.busy_s, "push_s": self.push_s,
+                "idle_s": self.idle_s,
                 "samples_per_s": self.metrics["samples"] / max(1e-9, now - self.t0),
                 "busy_fraction": self.busy_s / max(1e-9, now - self.t0),
                 # This plan only: what the stage moved (pipeline rate) and what its compute alone could.
                 "stage_samples_per_s": self.plan_samples / plan_wall,
                 "stage_capacity": self.plan_samples / self.plan_busy if self.plan_busy else 0.0,
+                # Where this plan's wall time went: compute, awaiting the PS push, waiting for messages.
+                "stage_busy_fraction": self.plan_busy / plan_wall, "stage_push_fraction": self.plan_push / plan_wall,
+                "stage_idle_fraction": self.plan_idle / plan_wall,
                 "plan_seconds": plan_wall, "bytes_out": float(self.ps.bytes_out), "bytes_in": float(self.ps.bytes_in),
                 "pipeline_done": float(self.assign is not None and self.assign.stage == 0
                                        and self.step >= self.assign.steps)}

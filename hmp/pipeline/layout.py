@@ -4,24 +4,32 @@ The default layout (:class:`hmp.ps.layout.FlatLayout`) cuts the flat buffer ever
 regardless of parameter boundaries. A stage pushes the gradients of its own layers only; a chunk
 holding the tail of one stage's parameters and the head of the next would then receive partial
 gradients from two workers, which a stateful optimizer (Adam's moments) on the PS would apply as
-if the missing half were zero. Cutting at every top-level layer boundary as well avoids that.
+if the missing half were zero. Cutting at every layer boundary as well avoids that. A "layer" is
+the planner's (``hmp.sched.placement.profiler.split_layers``), so the plan's layer indices, the
+stage modules and the chunks agree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 from hmp.ps.layout import Chunk, FlatLayout
+from hmp.sched.placement.profiler import param_layers
 
 
-def layer_of(param_name: str) -> int:
-    """``"3.weight"`` -> 3: the top-level index of a parameter of an ``nn.Sequential``."""
-    return int(param_name.split(".", 1)[0])
+def _layer_of(layout: FlatLayout, owner: Mapping[str, int]) -> Mapping[str, int]:
+    missing = [s.name for s in layout.slots if s.name not in owner]
+    if missing:
+        raise ValueError(f"parameters {missing[:3]} are not in the model's layers")
+    return owner
 
 
-def layer_aligned_layout(model: nn.Sequential, chunk_bytes: int) -> FlatLayout:
-    """``FlatLayout.from_model`` with an extra chunk boundary wherever the top-level layer changes."""
+def layer_aligned_layout(model: nn.Module, chunk_bytes: int) -> FlatLayout:
+    """``FlatLayout.from_model`` with an extra chunk boundary wherever the (planner's) layer changes."""
     base = FlatLayout.from_model(model, chunk_bytes)
+    layer_of = _layer_of(base, param_layers(model)).__getitem__
     chunks: list[Chunk] = []
     for dtype, total in base.sizes:
         per_chunk = chunk_bytes // Chunk(0, dtype, 0, 1).nbytes
@@ -40,12 +48,14 @@ def layer_aligned_layout(model: nn.Sequential, chunk_bytes: int) -> FlatLayout:
     return FlatLayout(base.slots, base.sizes, tuple(chunks), chunk_bytes)
 
 
-def stage_chunk_keys(layout: FlatLayout, start: int, stop: int) -> tuple[int, ...]:
+def stage_chunk_keys(layout: FlatLayout, start: int, stop: int, owner: Mapping[str, int]) -> tuple[int, ...]:
     """Keys of the chunks holding the parameters of layers ``[start, stop)`` (a layer-aligned layout).
 
-    Parameters are laid out in layer order, so a stage's parameters of one dtype are one
-    contiguous element range of that dtype's buffer.
+    ``owner`` maps parameter names to layer indices (``param_layers(model)``). Parameters are laid
+    out in layer order, so a stage's parameters of one dtype are one contiguous element range of
+    that dtype's buffer.
     """
+    layer_of = _layer_of(layout, owner).__getitem__
     ranges: dict[str, tuple[int, int]] = {}
     for s in layout.slots:
         if start <= layer_of(s.name) < stop:

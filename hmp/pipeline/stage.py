@@ -13,17 +13,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hmp.sched.placement.profiler import split_layers, stage_module
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StageCompute:
-    """Layers ``model[start:stop]`` of an ``nn.Sequential`` as one pipeline stage."""
+    """Layers ``[start, stop)`` of a model, as the planner's profiler splits it into layers
+    (``split_layers``: nested ``nn.Sequential``s flattened), as one pipeline stage."""
 
-    def __init__(self, model: nn.Sequential, start: int, stop: int, loss_fn: LossFn = F.cross_entropy) -> None:
-        if not 0 <= start < stop <= len(model):
-            raise ValueError(f"stage layers [{start}, {stop}) outside the model's {len(model)} layers")
-        self.module = model[start:stop]  # shares the model's layers (and so its flat buffers)
-        self.first, self.last = start == 0, stop == len(model)
+    def __init__(self, model: nn.Module, start: int, stop: int, loss_fn: LossFn = F.cross_entropy) -> None:
+        self.module = stage_module(model, start, stop)  # shares the model's layers (and so its flat buffers)
+        self.first, self.last = start == 0, stop == len(split_layers(model))
         self.loss_fn = loss_fn
         # micro-batch key -> (stage input, stage output or loss); dropped at backward or abort.
         self.saved: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -5,9 +5,11 @@ Every planner, the gymnasium environment and the reports score assignments here.
 
 * a *stage* is a maximal run of consecutive layers with the same type ``r``;
 * its compute time per batch on one worker is ``C = sum_i T[i, r]``;
-* its transfer time per batch is ``X = 2 * (in_bytes + out_bytes) / bandwidth``: the activations
-  crossing its boundaries forward and their gradients back (the model's input and its loss are not
-  transfers);
+* its transfer time per batch is ``X = sum over its (one or two) boundaries b of
+  2 * bytes_b / bandwidth + 2 * m * o``: the activations crossing forward and their gradients back,
+  plus a fixed overhead ``o`` (``message_overhead_s``) per message, one each way per micro-batch
+  (``m = messages_per_batch``); the model's input and its loss are not transfers
+  (``PlacementProblem.boundary_s`` holds the per-boundary term);
 * with ``w`` workers its time per batch is ``t(w) = C / w + X``; the constraint is
   ``batch_size / t(w) >= min_throughput``, i.e. ``t(w) <= tau = batch_size / min_throughput``;
 * it gets the fewest workers that meet it, ``w = max(1, ceil(C / (tau - X)))``; when
@@ -98,16 +100,16 @@ def _detail(problem: PlacementProblem, a: np.ndarray) -> _Detail:
 
     compute = np.bincount(flat, weights=layer_t.ravel(), minlength=n * L).reshape(n, L)
 
-    # A boundary after layer i moves out_bytes[i]; it belongs to the stage on each side.
+    # A boundary after layer i costs boundary_s[i] (bytes and messages); it belongs to the stage on each side.
     boundary = new_stage[:, 1:]  # [N, L-1]: a boundary between layer i and i+1
-    xbytes = np.zeros(n * L)
+    transfer = np.zeros(n * L)
     if L > 1 and boundary.any():
-        b_bytes = np.broadcast_to(problem.out_bytes[None, :-1], boundary.shape)[boundary]
+        b_s = np.broadcast_to(problem.boundary_s[None, :-1], boundary.shape)[boundary]
         left = (rows * L + sid[:, :-1])[boundary]
         right = (rows * L + sid[:, 1:])[boundary]
-        xbytes += np.bincount(left, weights=b_bytes, minlength=n * L)
-        xbytes += np.bincount(right, weights=b_bytes, minlength=n * L)
-    transfer = (2.0 * xbytes / problem.bandwidth_bytes_per_s).reshape(n, L)
+        transfer += np.bincount(left, weights=b_s, minlength=n * L)
+        transfer += np.bincount(right, weights=b_s, minlength=n * L)
+    transfer = transfer.reshape(n, L)
 
     resource = np.full((n, L), -1, dtype=np.int64)
     start = np.zeros((n, L), dtype=np.int64)

@@ -9,7 +9,7 @@ Static, ``[L, 4R + 3]``, for each resource type r:
   * ``log1p(T[i, r] / (tau * count_r))``: the share of type r's whole pool the layer alone needs;
   * ``log(c[i, r] / min_r c[i, r]) / 5`` with ``c = T * price``: how much dearer than its cheapest type;
   * ``log1p(sum_{j >= i} T[j, r] / (tau * count_r))``: the share of r's pool all remaining layers need;
-then ``log1p(2 * out_bytes[i] / bandwidth / tau)`` (the cost of cutting after layer i),
+then ``log1p(boundary_s[i] / tau)`` (the cost of cutting after layer i: bytes and messages),
 ``log1p(param_bytes[i]) / 25`` and the position ``i / (L - 1)``.
 
 Dynamic, ``[2R + 2]`` (:class:`PrefixState`): one-hot of the previous layer's type (slot R: none
@@ -50,7 +50,7 @@ def static_features(problem: PlacementProblem) -> np.ndarray:
         np.log1p(T / pool),
         rel_cost,
         np.log1p(suffix / pool),
-        np.log1p(2.0 * problem.out_bytes / problem.bandwidth_bytes_per_s / tau)[:, None],
+        np.log1p(problem.boundary_s / tau)[:, None],
         (np.log1p(problem.param_bytes) / 25.0)[:, None],
         (np.arange(L) / max(L - 1, 1))[:, None],
     ]
@@ -61,7 +61,7 @@ class PrefixState:
     """The choices so far for a batch of ``n`` partial plans, and their dynamic features.
 
     Tracks, per plan, the previous type, the open stage's compute (seconds per batch on one worker)
-    and input boundary bytes, and the whole workers closed stages need per type. Worker demand is
+    and input boundary seconds, and the whole workers closed stages need per type. Worker demand is
     the cost model's rule, ``C / (tau - X)``, with the open stage's output transfer not yet known.
     """
 
@@ -72,12 +72,12 @@ class PrefixState:
         self._rows = np.arange(n)
         self.prev = np.full(n, -1, dtype=np.int64)
         self.open_compute = np.zeros(n)
-        self.open_in_bytes = np.zeros(n)
+        self.open_in_s = np.zeros(n)
         self.closed = np.zeros((n, R))
         self.step = 0
 
-    def _demand(self, compute: np.ndarray, boundary_bytes: np.ndarray) -> np.ndarray:
-        slack = self.tau - 2.0 * boundary_bytes / self.problem.bandwidth_bytes_per_s
+    def _demand(self, compute: np.ndarray, boundary_s: np.ndarray) -> np.ndarray:
+        slack = self.tau - boundary_s
         # A transfer-bound stage can never be provisioned; call it "far more than any pool".
         big = 10.0 * (self.problem.counts.max() + 1)
         return np.where(slack > 0, compute / np.where(slack > 0, slack, 1.0), big)
@@ -87,7 +87,7 @@ class PrefixState:
         R = self.problem.n_resources
         out = np.zeros((self.n, dynamic_dim(R)), dtype=np.float64)
         out[self._rows, np.where(self.prev >= 0, self.prev, R)] = 1.0
-        d = self._demand(self.open_compute, self.open_in_bytes)
+        d = self._demand(self.open_compute, self.open_in_s)
         used = self.closed.copy()
         has_open = self.prev >= 0
         used[self._rows[has_open], self.prev[has_open]] += np.ceil(d[has_open] - 1e-9)
@@ -104,12 +104,12 @@ class PrefixState:
         t = self.problem.times[i, a]
         switching = (self.prev >= 0) & (a != self.prev)
         if switching.any():
-            b_out = self.problem.out_bytes[i - 1]
+            b_out = self.problem.boundary_s[i - 1]
             rows = self._rows[switching]
-            d = self._demand(self.open_compute[switching], self.open_in_bytes[switching] + b_out)
+            d = self._demand(self.open_compute[switching], self.open_in_s[switching] + b_out)
             self.closed[rows, self.prev[switching]] += np.ceil(d - 1e-9)
-        boundary_in = self.problem.out_bytes[i - 1] if i > 0 else 0.0
+        boundary_in = self.problem.boundary_s[i - 1] if i > 0 else 0.0
         self.open_compute = np.where(switching | (self.prev < 0), t, self.open_compute + t)
-        self.open_in_bytes = np.where(switching, boundary_in, self.open_in_bytes)
+        self.open_in_s = np.where(switching, boundary_in, self.open_in_s)
         self.prev = a
         self.step += 1

@@ -126,6 +126,12 @@ class PlacementProblem:
         min_throughput: samples per second the pipeline must sustain.
         bandwidth_bytes_per_s: link bandwidth between stages, bytes per second.
         name: a label for reports.
+        message_overhead_s: fixed seconds per message crossing a stage boundary, whatever its size
+            (encode, send, receive, decode, dispatch on the two ends); 0 (the default here) is a
+            pure bandwidth link. A config (``spec.parse_spec``) defaults it to the figure measured
+            on this runtime, :data:`hmp.sched.placement.spec.DEFAULT_MESSAGE_OVERHEAD_S`.
+        messages_per_batch: messages each way per boundary per batch: the runtime's micro-batches
+            (each micro-batch's activations go forward in one message, its gradient back in one).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -135,6 +141,8 @@ class PlacementProblem:
     min_throughput: float
     bandwidth_bytes_per_s: float
     name: str = ""
+    message_overhead_s: float = 0.0
+    messages_per_batch: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -155,6 +163,11 @@ class PlacementProblem:
         _positive(self.samples_to_train, "samples_to_train")
         _positive(self.min_throughput, "min_throughput (samples/s)")
         _positive(self.bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
+        if not (isinstance(self.message_overhead_s, (int, float)) and math.isfinite(self.message_overhead_s)
+                and self.message_overhead_s >= 0):
+            raise ValueError(f"message_overhead_s must be a finite number >= 0, got {self.message_overhead_s!r}")
+        if not isinstance(self.messages_per_batch, int) or isinstance(self.messages_per_batch, bool) or self.messages_per_batch < 1:
+            raise ValueError(f"messages_per_batch must be an int >= 1, got {self.messages_per_batch!r}")
 
     # Arrays for the vectorised cost model; computed once per (immutable) problem.
     @cached_property
@@ -166,6 +179,14 @@ class PlacementProblem:
     def out_bytes(self) -> np.ndarray:
         """``[L]`` float64: output bytes per batch of each layer."""
         return np.array([layer.out_bytes for layer in self.layers], dtype=np.float64)
+
+    @cached_property
+    def boundary_s(self) -> np.ndarray:
+        """``[L]`` float64: seconds per batch a stage boundary right after layer i adds to *each* of
+        the two stages it separates: ``2 * out_bytes[i] / bandwidth`` (activations forward, gradients
+        back) plus ``2 * messages_per_batch * message_overhead_s`` (one message each way per
+        micro-batch)."""
+        return 2.0 * self.out_bytes / self.bandwidth_bytes_per_s + 2.0 * self.messages_per_batch * self.message_overhead_s
 
     @cached_property
     def param_bytes(self) -> np.ndarray:
@@ -242,7 +263,8 @@ class Stage:
     Attributes:
         compute_s: seconds per batch of the stage's layers on one worker (sum of layer times).
         transfer_s: seconds per batch moving the boundary tensors (activations forward and
-            gradients back, in and out) at the problem's bandwidth.
+            gradients back, in and out) at the problem's bandwidth, plus the per-message overhead
+            of every micro-batch crossing (``PlacementProblem.boundary_s``).
         time_s: ``compute_s / workers + transfer_s``, seconds per batch.
         throughput: ``batch_size / time_s``, samples per second.
         transfer_bound: the transfer alone exceeds the time budget; no worker count helps.

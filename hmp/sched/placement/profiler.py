@@ -1,7 +1,9 @@
 """The layer profiler: per-layer forward+backward seconds per batch, and boundary tensor sizes.
 
 A model is an ordered list of layers (:func:`split_layers`; every hmp model is an
-``nn.Sequential``). For each type measured on this machine, each layer runs forward and backward
+``nn.Sequential``). This is the one definition of a layer: the plan's layer indices, the pipeline
+runtime's stage modules (:func:`stage_module`) and its parameter chunks (:func:`param_layers`) all
+come from it. For each type measured on this machine, each layer runs forward and backward
 on its device on the real activations of the previous layer: ``warmup`` untimed passes, then the
 median of ``reps`` timed ones (the median, because a shared machine produces outliers, never
 speed-ups). A layer's ``out_bytes`` is the size of its output batch: what crosses a stage boundary
@@ -66,6 +68,28 @@ def split_layers(model: nn.Module) -> list[Layer]:
     if not modules:
         raise ValueError("the model has no layers (an empty nn.Sequential)")
     return [Layer(f"{i}:{type(m).__name__}", layer_kind(m), m) for i, m in enumerate(modules)]
+
+
+def stage_module(model: nn.Module, start: int, stop: int) -> nn.Sequential:
+    """Layers ``[start, stop)`` of :func:`split_layers` as one ``nn.Sequential`` sharing the model's modules
+    (and so its parameters): what a pipeline stage running those plan layers computes."""
+    layers = split_layers(model)
+    if not 0 <= start < stop <= len(layers):
+        raise ValueError(f"stage layers [{start}, {stop}) outside the model's {len(layers)} layers")
+    return nn.Sequential(*(layer.module for layer in layers[start:stop]))
+
+
+def param_layers(model: nn.Module) -> dict[str, int]:
+    """Parameter name (as ``model.named_parameters()`` gives it) -> index of its layer in :func:`split_layers`.
+
+    A parameter shared by two layers belongs to the first; a stage split between them is refused by
+    the runtime's layout (the chunk would straddle two stages).
+    """
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(split_layers(model)):
+        for p in layer.module.parameters():
+            owner.setdefault(id(p), i)
+    return {name: owner[id(p)] for name, p in model.named_parameters()}
 
 
 def example_input(model: nn.Module, batch_size: int, seed: int = 0) -> torch.Tensor:
@@ -166,10 +190,14 @@ def profile(model: nn.Module, spec: PlacementSpec, batch: torch.Tensor | None = 
     if batch.shape[0] != spec.batch_size:
         raise ValueError(f"the input batch has {batch.shape[0]} samples, batch_size is {spec.batch_size}")
     measured: dict[str, list[LayerTiming]] = {}
+    by_device: dict[torch.device, list[LayerTiming]] = {}  # types on one device share one measurement
     with torch_threads(spec.num_threads), torch.random.fork_rng(devices=[]):
         for r in spec.resources:
             if r.measured:
-                measured[r.name] = measure_layers(layers, batch, r.device, spec.reps, spec.warmup)
+                dev = torch.device(r.device)
+                if dev not in by_device:
+                    by_device[dev] = measure_layers(layers, batch, r.device, spec.reps, spec.warmup)
+                measured[r.name] = by_device[dev]
     if not measured:
         # Only config times: the sizes still come from a run here (on the CPU, untimed).
         measured["_sizes"] = measure_layers(layers, batch, "cpu", reps=1, warmup=0)
@@ -197,7 +225,17 @@ def profile(model: nn.Module, spec: PlacementSpec, batch: torch.Tensor | None = 
         min_throughput=spec.min_throughput,
         bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s,
         name=name,
+        message_overhead_s=spec.message_overhead_s,
+        messages_per_batch=spec.micro_batches,
     )
+
+
+def reference_type(problem: PlacementProblem) -> str | None:
+    """Name of the type scaled figures are scaled from (the first measured CPU type), if any."""
+    for r in problem.resources:
+        if r.measured and torch.device(r.device).type == "cpu":
+            return r.name
+    return None
 
 
 def _cpu_reference(spec: PlacementSpec, measured: Mapping[str, list[LayerTiming]]) -> list[LayerTiming] | None:

@@ -16,7 +16,8 @@ Accepted mapping::
          "times_s": [1e-4, 2e-4, ...]},                                           # measured elsewhere
       ],
       "bandwidth_bytes_per_s": 1.25e9, "samples": 1e7, "min_throughput": 5e4, "batch_size": 256,
-      # optional: "reps" (or "profile_repeats"), "warmup", "num_threads"
+      # optional: "message_overhead_s" (default DEFAULT_MESSAGE_OVERHEAD_S), "micro_batches" (1),
+      #           "reps" (or "profile_repeats"), "warmup", "num_threads"
     }
 
 Per resource: ``device`` (default ``"cpu"``, or ``"cuda"`` for a type named like a GPU) is where a
@@ -40,10 +41,17 @@ from hmp.errors import ConfigError
 from hmp.sched.placement.problem import ResourceType
 
 #: Keys of the runtime's ``[placement]`` table that the planner does not read.
-RUNTIME_KEYS = frozenset({"enabled", "planner", "micro_batches", "min_gain", "join_wait_s", "use_spare_workers"})
+RUNTIME_KEYS = frozenset({"enabled", "planner", "min_gain", "join_wait_s", "use_spare_workers"})
 _TOP_KEYS = frozenset(
-    {"resources", "bandwidth_bytes_per_s", "samples", "min_throughput", "batch_size", "reps", "profile_repeats", "warmup", "num_threads"}
+    {"resources", "bandwidth_bytes_per_s", "samples", "min_throughput", "batch_size", "reps", "profile_repeats", "warmup",
+     "num_threads", "message_overhead_s", "micro_batches"}
 )
+#: Seconds of fixed cost per message crossing a stage boundary on this runtime (hmp over ZeroMQ on
+#: loopback, Python on both ends): the one-way cost of a small ``activations`` message, measured
+#: with ``python bench/pipeline.py --message-overhead`` on the 2-core development machine (a request
+#: round trip of 200-250 us, halved)
+#: (docs/placement.md, "Cost model"). A link between hosts adds its latency on top.
+DEFAULT_MESSAGE_OVERHEAD_S = 120e-6
 _RESOURCE_KEYS = frozenset({"name", "price_per_hour", "count", "speed_scale", "measured", "device", "overhead_s", "times_s"})
 LAYER_KINDS = ("sparse", "dense", "elementwise")
 
@@ -60,6 +68,9 @@ class PlacementSpec:
         reps: timed forward+backward passes per layer (the median is kept).
         warmup: untimed passes before them.
         num_threads: torch intra-op threads while profiling; None keeps the current setting.
+        message_overhead_s: fixed seconds per message across a stage boundary (see
+            :class:`~hmp.sched.placement.problem.PlacementProblem`).
+        micro_batches: messages each way per boundary per batch (the runtime's micro-batches).
     """
 
     resources: tuple[ResourceType, ...]
@@ -71,6 +82,8 @@ class PlacementSpec:
     reps: int = 5
     warmup: int = 2
     num_threads: int | None = None
+    message_overhead_s: float = DEFAULT_MESSAGE_OVERHEAD_S
+    micro_batches: int = 1
 
 
 def _error(path: str | None, key: str, expected: str) -> Exception:
@@ -219,6 +232,14 @@ def parse_spec(config: Mapping[str, object], *, path: str | None = None, counts:
     warmup = config.get("warmup", 2)
     if not _int(warmup) or warmup < 0:
         raise _error(path, pre + "warmup", f"an integer >= 0 (untimed passes per layer), got {warmup!r}")
+    overhead = config.get("message_overhead_s", DEFAULT_MESSAGE_OVERHEAD_S)
+    if not _number(overhead) or overhead < 0:
+        raise _error(path, pre + "message_overhead_s", f"a number >= 0 (seconds per message across a stage boundary), got {overhead!r}")
+    micro = config.get("micro_batches", 1)
+    if not _int(micro) or micro < 1:
+        raise _error(path, pre + "micro_batches", f"an integer >= 1 (messages each way per boundary per batch), got {micro!r}")
+    if batch % micro:
+        raise _error(path, pre + "micro_batches", f"a divisor of batch_size {batch}, got {micro!r}")
     threads = config.get("num_threads")
     if threads is not None and (not _int(threads) or threads < 1):
         raise _error(path, pre + "num_threads", f"an integer >= 1 (torch threads while profiling), got {threads!r}")
@@ -232,4 +253,6 @@ def parse_spec(config: Mapping[str, object], *, path: str | None = None, counts:
         reps=int(reps),
         warmup=int(warmup),
         num_threads=None if threads is None else int(threads),
+        message_overhead_s=float(overhead),
+        micro_batches=int(micro),
     )

@@ -139,6 +139,9 @@ class PlacementConfig:
                                       "after this long")
     use_spare_workers: bool = _field(True, "workers the plan does not need join the busiest stage of their "
                                            "type (data parallel within the stage)")
+    overlap_push: bool = _field(True, "a stage starts the next step while the PS applies its push; the new values "
+                                      "are taken at the next point with no saved graph (staleness <= 1 step); "
+                                      "false: wait for them (docs/pipeline.md)")
 
 
 @dataclasses.dataclass(frozen=True)

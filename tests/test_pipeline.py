@@ -137,6 +137,51 @@ def test_workers_staff_the_plan_spares_join_their_type_and_missing_types_fall_ba
     assert problem.resources[1].provenance.startswith(NOT_MEASURED)
 
 
+async def test_stage_worker_keeps_messages_that_arrive_before_its_assignment(tmp_path):
+    """A neighbour that got its stage_assign first may send step 0's activations before this worker has its own:
+    they are held and replayed once the assignment arrives (dropping them stalled the pipeline for good), while
+    messages of an older plan are dropped."""
+    from hmp.messages import Activations, StageAssign
+    from hmp.nodes.stage_worker import StageWorkerNode
+    from hmp.ps.plan import ModelPlan
+
+    class FakePS:
+        keys = ()
+
+        def restrict(self, keys):
+            self.restricted = tuple(keys)
+
+        async def pull(self):
+            pass
+
+    class FakePeer:
+        async def connect(self):
+            pass
+
+    threads = torch.get_num_threads()
+    try:
+        cfg = pipeline_config(tmp_path)
+        node = StageWorkerNode(cfg, "accel0")
+    finally:
+        torch.set_num_threads(threads)
+    node.model_plan, node.ps = ModelPlan.from_config(cfg), FakePS()
+    node.order = ExampleOrder(4096, 512, 4, 0)
+    node.client = lambda address: FakePeer()
+
+    def act(plan, m):
+        return Activations(sender="cpu1", plan=plan, step=0, micro_batch=m, values=torch.zeros(128, 256),
+                           labels=torch.zeros(128, dtype=torch.int64))
+
+    early, stale = act(2, 1), act(1, 3)
+    await node.handle(early)
+    await node.handle(stale)
+    assert node.held == [early, stale]
+    await node.handle(StageAssign(plan=2, stage=1, stages=2, start=1, stop=6, index=0, width=1, prev=("tcp://a:1",),
+                                  micro_batches=4, batch_size=512, start_step=0, steps=10))
+    assert node.compute is not None and node.held == []
+    assert node.events.get_nowait() is early and node.events.empty()
+
+
 # ----------------------------------------------------------------------------- real jobs
 
 def pipeline_config(tmp, *, epochs=2, max_seconds=25.0, workers=("cpu0", "cpu1", "accel0"), join_wait_s=10.0,

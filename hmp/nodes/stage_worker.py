@@ -7,8 +7,8 @@ gradients back, each stage pushes its own chunks' gradients to the shards at the
 step. A later ``stage_assign`` (a re-plan after a worker joined or left) aborts the step in
 flight, and the worker continues with its new layers from the step the scheduler names.
 
-The push is not awaited at the end of the step: the next step starts at once while the shards
-apply it (docs/pipeline.md, "A step"). Its reply is held until a point where no micro-batch's
+With ``[placement] overlap_push`` (the default) the push is not awaited at the end of the step:
+the next step starts at once while the shards apply it (docs/pipeline.md, "A step"). Its reply is held until a point where no micro-batch's
 graph is saved (a step's first forward, or the next drain) and written into the parameters
 there, so the next step may run on parameters one update old (staleness <= 1, as in async
 training). The gradient buffer is the push's frames (zero-copy), so the next step's first
@@ -180,7 +180,10 @@ class StageWorkerNode(Node):
         await self.settle_push()  # the old stage's last update lands; its buffer is free again
         self.model_plan.flat.zero_grad()
         self.assign, self.compute = a, None
-        self.held = [m for m in self.held if getattr(m, "plan", -1) > a.plan]
+        # Keep what arrived for this plan before its assignment did (a neighbour that got its own
+        # assignment first may already have sent step 0's activations: dropping them would stall
+        # the pipeline for good) and for newer plans; handle() then drops steps before start_step.
+        self.held = [m for m in self.held if getattr(m, "plan", -1) >= a.plan]
         self.step = a.start_step
         self.started_step = False
         self.metrics.update(plan=a.plan, stage=a.stage)
@@ -297,7 +300,10 @@ class StageWorkerNode(Node):
                     for k in keys:
                         grads[k].div_(n)  # n per-micro-batch mean gradients were summed
                 self.push_task = asyncio.gather(*self.ps.push_requests(samples=samples))
-                await asyncio.sleep(0)  # let the requests go out now, not after the next step's fill
+                if self.cfg.placement.overlap_push:
+                    await asyncio.sleep(0)  # let the requests go out now, not after the next step's fill
+                else:
+                    await self.settle_push()  # the next step runs on the values this push produces
             self.metrics.update(samples=self.metrics["samples"] + samples, updates=self.metrics["updates"] + 1)
             self.plan_samples += samples
             self.step += 1

@@ -41,7 +41,7 @@ from hmp.errors import ConfigError
 from hmp.sched.placement.problem import ResourceType
 
 #: Keys of the runtime's ``[placement]`` table that the planner does not read.
-RUNTIME_KEYS = frozenset({"enabled", "planner", "min_gain", "join_wait_s", "use_spare_workers"})
+RUNTIME_KEYS = frozenset({"enabled", "planner", "min_gain", "join_wait_s", "use_spare_workers", "overlap_push"})
 _TOP_KEYS = frozenset(
     {"resources", "bandwidth_bytes_per_s", "samples", "min_throughput", "batch_size", "reps", "profile_repeats", "warmup",
      "num_threads", "message_overhead_s", "micro_batches"}

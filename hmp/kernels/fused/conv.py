@@ -78,7 +78,7 @@ class _FusedConvNd(FusedModule):
             # CPU: keep the B*C_out channels innermost (channels_last). The activations and
             # pools that follow then vectorise over channels; torch's NCHW max pool walks
             # one small H x W plane per channel and is ~10x slower at these sizes. Values
-            # are unchanged; the next convolution reads this format without a copy.
+            # are unchanged, and oneDNN convolutions accept this format as input.
             y = y.contiguous(memory_format=torch.channels_last)
         return y.view(n, self.B, self.out_channels, *y.shape[2:])
 

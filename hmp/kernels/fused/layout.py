@@ -36,7 +36,8 @@ def broadcast(x: torch.Tensor, B: int, layout: str) -> torch.Tensor:
     """One input ``[N, *]`` shared by all members as a fused input, without copying.
 
     ``DENSE`` gives ``[B, N, *]``, ``IMAGE`` gives ``[N, B, *]``; the member dimension has stride 0,
-    which the first fused Linear/Conv detects to run one ordinary kernel over all B members.
+    which the first fused convolution detects to run one ordinary convolution with B*C_out
+    output channels (a Linear's batched matmul reads the stride-0 batch as is).
     """
     if x.dim() < 1:
         raise ValueError("expected an input of shape [N, ...], got a scalar")

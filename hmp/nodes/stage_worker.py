@@ -239,6 +239,8 @@ class StageWorkerNode(Node):
         self.metrics["epoch"] = self.order.epoch_of(self.step)
         for m in self.step_mbs:
             ids = self.order.ids(self.step, m)
+            # x[ids] gathers the micro-batch's examples: the one copy on this path, needed because a
+            # shuffled micro-batch is not a contiguous slice; every later hop is zero-copy.
             await self.forward(m, x[ids], y[ids])
 
     async def forward(self, m: int, x: torch.Tensor, labels: torch.Tensor) -> None:
@@ -278,7 +280,9 @@ class StageWorkerNode(Node):
                                                  grads=grad_in))
 
     async def send_to(self, addresses: tuple[str, ...], msg: Activations | Gradients) -> None:
-        """One-way, zero-copy: the tensor is not touched again (it is freed once sent)."""
+        """One-way, zero-copy: the tensor is not touched again (it is freed once sent). This does not
+        wait for the peer: the frames are handed to libzmq at once (the await only yields when the
+        peer's high-water mark is reached)."""
         await self.peers[addresses[worker_for(msg.micro_batch, len(addresses))]].send(msg)
 
     async def maybe_finish_step(self) -> None:

@@ -8,11 +8,12 @@ step. A later ``stage_assign`` (a re-plan after a worker joined or left) aborts 
 flight, and the worker continues with its new layers from the step the scheduler names.
 
 With ``[placement] overlap_push`` (the default) the push is not awaited at the end of the step:
-the next step starts at once while the shards apply it (docs/pipeline.md, "A step"). Its reply is held until a point where no micro-batch's
-graph is saved (a step's first forward, or the next drain) and written into the parameters
-there, so the next step may run on parameters one update old (staleness <= 1, as in async
-training). The gradient buffer is the push's frames (zero-copy), so the next step's first
-backward waits for the reply, which implies the shards received them, before zeroing it.
+the next step starts at once while the shards apply it (docs/pipeline.md, "A step"). Its reply
+is held until a point where no micro-batch's graph is saved (a forward with nothing saved, or
+the next drain) and written into the parameters there, so the next step may run on parameters
+one update old (staleness <= 1, as in async training). The gradient buffer is the push's frames
+(zero-copy), so the next step's first backward waits for the reply, which implies the shards
+received them, before zeroing the stage's chunks.
 
 One engine task handles every event in arrival order (assignments, activations, gradients), so
 writing a push's reply (which rewrites the stage's parameters in place) never overlaps a forward

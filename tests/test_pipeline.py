@@ -151,6 +151,9 @@ async def test_stage_worker_keeps_messages_that_arrive_before_its_assignment(tmp
         def restrict(self, keys):
             self.restricted = tuple(keys)
 
+        def reset_buffers(self):
+            pass
+
         async def pull(self):
             pass
 

@@ -11,9 +11,10 @@ With ``[placement] overlap_push`` (the default) the push is not awaited at the e
 the next step starts at once while the shards apply it (docs/pipeline.md, "A step"). Its reply
 is held until a point where no micro-batch's graph is saved (a forward with nothing saved, or
 the next drain) and written into the parameters there, so the next step may run on parameters
-one update old (staleness <= 1, as in async training). The gradient buffer is the push's frames
-(zero-copy), so the next step's first backward waits for the reply, which implies the shards
-received them, before zeroing the stage's chunks.
+one update old (staleness <= 1, as in async training). A push sends the gradient buffer's own
+memory (zero-copy), so the next step accumulates into a second buffer; a drain switches back to
+a buffer only once that buffer's push has been answered (which implies the shards received it),
+and writes its values then at the latest.
 
 One engine task handles every event in arrival order (assignments, activations, gradients), so
 writing a push's reply (which rewrites the stage's parameters in place) never overlaps a forward
@@ -24,8 +25,9 @@ worker is there; messages of an older plan or step are dropped.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -39,17 +41,46 @@ from hmp.nodes.base import Node
 from hmp.pipeline.layout import stage_chunk_keys
 from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
 from hmp.pipeline.stage import StageCompute
+from hmp.ps.layout import chunk_views
 from hmp.ps.plan import ModelPlan
 from hmp.sched.placement.profiler import param_layers
 from hmp.transport.endpoint import Client
 
 
 class StagePSClient(PSClient):
-    """A PS client whose ``pull``/``push`` touch only the chunks given to :meth:`restrict`."""
+    """A PS client whose ``pull``/``push`` touch only the chunks given to :meth:`restrict`, with two
+    gradient buffers: a step accumulates into one while the other's push is in flight."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._all_keys = list(self.shards)
+        layout, flat = self.plan.layout, self.plan.flat
+        # The second buffer costs one more copy of the gradients' memory, no copying: each push
+        # sends the chunks of the buffer it was made from, zero-copy.
+        bufs = [flat.grads, {d: torch.zeros_like(b) for d, b in flat.grads.items()}]
+        self._grad_sets = [chunk_views(b, layout.chunks) for b in bufs]
+        self._param_grads = [layout.param_views(b) for b in bufs]
+        self._named = dict(self.plan.model.named_parameters())
+        self.buffer = 0
+
+    def use_buffer(self, i: int, names: Iterable[str] | None = None) -> None:
+        """Make gradient buffer ``i`` the one pushes send and backward accumulates into (for the
+        parameters ``names``, default all), its stage chunks zeroed."""
+        self.buffer, self._grads = i, self._grad_sets[i]
+        self.zero_grads()
+        views = self._param_grads[i]
+        for n in (self._named if names is None else names):
+            self._named[n].grad = views[n]
+
+    def reset_buffers(self) -> None:
+        """Both gradient buffers zeroed, every parameter's gradient back in the first (a new stage)."""
+        for views in self._grad_sets:
+            for g in views.values():
+                g.zero_()
+        self.buffer, self._grads = 0, self._grad_sets[0]
+        views = self._param_grads[0]
+        for n, p in self._named.items():
+            p.grad = views[n]
 
     def restrict(self, keys: Iterable[int]) -> None:
         mine = set(keys)
@@ -77,8 +108,10 @@ class StageWorkerNode(Node):
         self.peers: dict[str, Client] = {}
         self.stop_requested = False
         self.step_mbs: tuple[int, ...] = ()
-        self.push_task: asyncio.Future[list[Message]] | None = None  # the last push, replies pending
-        self.unwritten: list[Message] = []  # its replies, written at the next point with no saved graph
+        # Pushes in flight, oldest first: (gradient buffer, replies). Their new values are written
+        # in this order at points where no micro-batch's graph is saved.
+        self.pushes: collections.deque[tuple[int, asyncio.Future[list[Message]]]] = collections.deque()
+        self.stage_params: tuple[str, ...] = ()
         self.done_mbs: set[int] = set()
         self.started_step = False
         self.metrics: dict[str, float] = {"samples": 0, "updates": 0, "loss": float("nan"), "epoch": 0,
@@ -178,8 +211,8 @@ class StageWorkerNode(Node):
     async def reconfigure(self, a: StageAssign) -> None:
         if self.compute is not None:
             self.metrics["aborted_micro_batches"] += self.compute.abort()
-        await self.settle_push()  # the old stage's last update lands; its buffer is free again
-        self.model_plan.flat.zero_grad()
+        await self.settle_push()  # the old stage's last updates land; the buffers are free again
+        self.ps.reset_buffers()
         self.assign, self.compute = a, None
         # Keep what arrived for this plan before its assignment did (a neighbour that got its own
         # assignment first may already have sent step 0's activations: dropping them would stall
@@ -195,7 +228,9 @@ class StageWorkerNode(Node):
             self.log.info("standby", plan=a.plan)
             return
         self.compute = StageCompute(self.model_plan.model, a.start, a.stop)
-        self.ps.restrict(stage_chunk_keys(self.model_plan.layout, a.start, a.stop, param_layers(self.model_plan.model)))
+        owner = param_layers(self.model_plan.model)
+        self.stage_params = tuple(n for n, i in owner.items() if a.start <= i < a.stop)
+        self.ps.restrict(stage_chunk_keys(self.model_plan.layout, a.start, a.stop, owner))
         await self.ps.pull()  # this stage's parameters, from the shards
         self.step_mbs = micro_batches_of(a.index, a.width, a.micro_batches)
         self.done_mbs = set()
@@ -249,11 +284,10 @@ class StageWorkerNode(Node):
         assert a is not None and compute is not None
         self.started_step = True
         if not compute.saved:
-            self.write_push_if_done()  # no graph holds the parameters: take the new values if they are here
+            self.write_done_pushes()  # no graph holds the parameters: take the new values that are here
         t0 = time.perf_counter()
         out = compute.forward(m, x, labels)
         if compute.last:
-            await self.reclaim_grads()
             grad = compute.backward(m)
             self.busy(t0)
             self.loss(float(out))
@@ -271,7 +305,6 @@ class StageWorkerNode(Node):
         assert a is not None and compute is not None
         if m not in compute.saved:
             return  # not ours, or already done
-        await self.reclaim_grads()
         t0 = time.perf_counter()
         grad_in = compute.backward(m, grad)
         self.busy(t0)
@@ -287,24 +320,28 @@ class StageWorkerNode(Node):
         await self.peers[addresses[worker_for(msg.micro_batch, len(addresses))]].send(msg)
 
     async def maybe_finish_step(self) -> None:
-        """Drain done: write the previous push's reply (no graph is saved now), push this stage's
-        gradients (the mean over its micro-batches) without waiting for the reply, move to the next
-        step and replay what arrived early for it (which may finish it too)."""
+        """Drain done: push this stage's gradients (the mean over its micro-batches) without waiting
+        for the reply, switch to the other gradient buffer, move to the next step and replay what
+        arrived early for it (which may finish it too)."""
         while self.assign is not None and self.compute is not None and self.step_mbs \
                 and len(self.done_mbs) >= len(self.step_mbs):
             n = len(self.step_mbs)
             samples = n * self.order.micro_batch_size
             keys = self.ps.keys
             if keys:
-                # This step's first backward took the previous push's replies (reclaim_grads); no
-                # graph is saved now, so its values can be written before this push goes out.
-                assert self.push_task is None
-                self.write_push_if_done()
-                grads = self.ps.plan.grad_views()
+                # No graph is saved now: new values that arrived can be written.
+                self.write_done_pushes()
+                grads = self.ps._grads
                 with torch.no_grad():
                     for k in keys:
                         grads[k].div_(n)  # n per-micro-batch mean gradients were summed
-                self.push_task = asyncio.gather(*self.ps.push_requests(samples=samples))
+                self.pushes.append((self.ps.buffer, asyncio.gather(*self.ps.push_requests(samples=samples))))
+                # The next step accumulates into the other buffer once its push (the previous
+                # step's) has been answered: the reply implies the shards received its frames.
+                other = 1 - self.ps.buffer
+                await self.wait_pushes(lambda b: b == other)
+                self.write_done_pushes()
+                self.ps.use_buffer(other, self.stage_params)
                 if self.cfg.placement.overlap_push:
                     await asyncio.sleep(0)  # let the requests go out now, not after the next step's fill
                 else:
@@ -318,39 +355,31 @@ class StageWorkerNode(Node):
             for m in held:
                 await self.handle(m)
 
-    async def reclaim_grads(self) -> None:
-        """Before a backward accumulates into the gradient buffer: wait for the push in flight (its
-        replies imply the shards received the buffer's frames), keep the replies, zero the buffer."""
-        task = self.push_task
-        if task is None:
+    async def wait_pushes(self, which: Callable[[int], bool] = lambda b: True) -> None:
+        """Wait for the replies of the pushes in flight from the buffers ``which`` selects."""
+        pending = [t for b, t in self.pushes if which(b) and not t.done()]
+        if not pending:
             return
-        self.push_task = None
-        if not task.done():
-            t0 = time.perf_counter()
-            try:
-                await task
-            finally:
-                dt = time.perf_counter() - t0
-                self.push_s += dt
-                self.plan_push += dt
-        self.unwritten = task.result()
-        self.ps.zero_grads()
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait(pending)
+        finally:
+            dt = time.perf_counter() - t0
+            self.push_s += dt
+            self.plan_push += dt
 
-    def write_push_if_done(self) -> None:
-        """Write the last push's new parameter values if they have arrived (call only with no saved graph)."""
-        task = self.push_task
-        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
-            self.push_task = None
-            self.unwritten = task.result()
-            self.ps.zero_grads()
-        for r in self.unwritten:
-            self.ps.write(r)
-        self.unwritten = []
+    def write_done_pushes(self) -> None:
+        """Write the new values of the answered pushes, oldest first, up to the first unanswered one
+        (call only with no saved graph: the writes are in place). A failed push raises here."""
+        while self.pushes and self.pushes[0][1].done():
+            _, task = self.pushes.popleft()
+            for r in task.result():
+                self.ps.write(r)
 
     async def settle_push(self) -> None:
-        """Wait for the push in flight and write its values (call only with no saved graph)."""
-        await self.reclaim_grads()
-        self.write_push_if_done()
+        """Wait for every push in flight and write its values (call only with no saved graph)."""
+        await self.wait_pushes()
+        self.write_done_pushes()
 
     # ---------------------------------------------------------------- metrics
     def busy(self, t0: float) -> None:

@@ -29,6 +29,8 @@ bench: setup
 	$(PY) bench/ps.py
 	$(PY) bench/hogbatch.py
 	$(PY) bench/hfta.py
+	$(PY) bench/placement.py
+	$(PY) bench/pipeline.py
 
 # Regenerate the README's configuration reference from hmp/config.py.
 docs: setup

@@ -119,6 +119,18 @@ def test_adaptive_clips_batches_to_bounds():
     assert fcst["gpu"] > 0.9  # capped GPU batch: balance unreachable, the forecast says so
 
 
+def test_adaptive_gpu_starts_at_its_configured_batch_until_measured():
+    """initial_gpu_batch holds until the GPU worker's own speed arrives; then speeds decide."""
+    policy = AdaptiveHogbatch(base_batch=16, max_batch=4096, threshold=2.0, smoothing=0.0, initial_gpu_batch=256)
+    assert policy.initial(CPU_GPU)["g0"].batch_size == 256
+    out = policy.update([rep("c0", "cpu", 1000.0, 1.0)], 1.0)  # only the CPU has measured
+    assert out["g0"].batch_size == 256 and out["c0"].batch_size == 16
+    out = policy.update([rep("g0", "gpu", 4000.0, 1.0)], 2.0)  # GPU 4x the CPU's speed
+    assert out["g0"].batch_size == round(2.0 * 16 * 4)
+    with pytest.raises(ValueError, match="initial_gpu_batch"):
+        AdaptiveHogbatch(base_batch=16, initial_gpu_batch=0)
+
+
 def test_adaptive_follows_a_worker_that_slows_down_mid_run():
     """When the GPU slows 4x at t=30 s, its batch shrinks about 4x and updates rebalance."""
     workers = {"c0": SimWorker("cpu", 1000.0), "g0": SimWorker("gpu", 10_000.0, slow_at_s=30, slow_factor=0.25)}

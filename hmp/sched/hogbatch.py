@@ -286,8 +286,13 @@ class AdaptiveHogbatch(_PolicyBase):
         threshold: float = 1.0,
         smoothing: float = 0.5,
         stale_after_s: float | None = None,
+        initial_gpu_batch: int | None = None,
     ) -> None:
         super().__init__(smoothing, stale_after_s)
+        # A GPU worker's batch until its own speed is measured (None: threshold * base_batch).
+        # Starting from the configured GPU batch spares short jobs the ramp up from a CPU-sized one.
+        self.initial_gpu_batch = None if initial_gpu_batch is None else _check_batch("initial_gpu_batch",
+                                                                                      initial_gpu_batch)
         self.min_batch = _check_batch("min_batch", min_batch)
         self.max_batch = _check_batch("max_batch", max_batch)
         self.base_batch = _check_batch("base_batch", base_batch)
@@ -306,7 +311,9 @@ class AdaptiveHogbatch(_PolicyBase):
         out = {}
         for k, w in self._workers.items():
             stretch = self.threshold if w.kind == "gpu" else 1.0
-            if not positive or speeds[k] <= 0:
+            if w.kind == "gpu" and w.speed is None and self.initial_gpu_batch is not None:
+                raw = float(self.initial_gpu_batch)  # not measured yet: the configured GPU batch
+            elif not positive or speeds[k] <= 0:
                 raw = stretch * self.base_batch  # nothing to scale by: keep the default
             else:
                 # speed / rate with rate = min(positive) / base_batch, the updates/s every worker

@@ -4,7 +4,8 @@ Workers report cumulative counters; the policies want per-interval rates. This a
 worker's previous report, turns the difference into a :class:`WorkerReport` and returns the
 policy's batch size and data share for the reporting worker. Knobs the config leaves out default
 from the topology: ``sync`` takes ``[train] batch_size``; ``hogbatch`` takes the CPU and GPU
-workers' configured batch sizes; ``adaptive`` takes the CPU worker's as ``base_batch``.
+workers' configured batch sizes; ``adaptive`` takes the CPU worker's as ``base_batch`` and
+the GPU worker's as ``initial_gpu_batch`` (its batch until its speed is measured).
 
 Speeds are measured on *compute* time by default (``policy_args.speed = "compute"``): examples per
 second spent in forward/backward (the worker's ``busy_s``), not per wall-clock second. With a fixed
@@ -36,7 +37,7 @@ def default_knobs(cfg: Config) -> dict[str, Any]:
         return {"batch_size": cfg.train.batch_size}
     if cfg.train.policy == "hogbatch":
         return {"cpu_batch": min(cpu), "gpu_batch": max(gpu)}
-    return {"base_batch": min(cpu), "max_batch": max(4096, max(gpu))}
+    return {"base_batch": min(cpu), "max_batch": max(4096, max(gpu)), "initial_gpu_batch": max(gpu)}
 
 
 class HogbatchAdapter:

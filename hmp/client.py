@@ -76,6 +76,8 @@ class PSClient:
     def _write(self, reply: Params) -> None:
         with torch.no_grad():
             for k, v in zip(reply.keys, reply.values):
+                # The one copy on the reply path: the new values land in the worker's own parameters
+                # (the model's storage); the reply frames are read-only and freed after this.
                 self._params[k].copy_(v, non_blocking=False)
         self.version = max(self.version, reply.version)
         self.bytes_in += sum(v.numel() * v.element_size() for v in reply.values)

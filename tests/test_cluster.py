@@ -180,7 +180,7 @@ async def test_hogbatch_policies_run_as_scheduler_loops(tmp_path, policy):
     """Hogbatch policies size batches while training runs; data goes first-come-first-served; the report has
     per-worker update shares and batch sizes over time, and static Hogbatch gives the CPU many more updates per
     example than the GPU."""
-    cfg = write_config(tmp_path, policy=policy, target=0.93)
+    cfg = write_config(tmp_path, policy=policy, target=0.93, epochs=100)  # FCFS data: see the Hogwild test
     async with LocalCluster(cfg) as cluster:
         report = await cluster.train(timeout_s=200)
     # The stop rule saw 0.93 on a worker's replica; asynchronous updates still in flight then may move the final
@@ -235,7 +235,9 @@ async def test_hfta_sweep_job_trains_members_as_one_fused_array(tmp_path):
 async def test_hogwild_cpu_worker_trains_with_several_threads(tmp_path):
     """A CPU worker with hogwild_threads = 2 trains its replica lock-free and pushes the summed updates; the job
     reaches its target and the CPU side makes most of the updates (static Hogbatch)."""
-    cfg = write_config(tmp_path, policy="hogbatch", target=0.93,
+    # First-come-first-served data: the GPU worker's batch-128 pulls use up 30 epochs of digits in under a
+    # second, sometimes before 0.93; 100 epochs leave room to reach the target, which stops the job first.
+    cfg = write_config(tmp_path, policy="hogbatch", target=0.93, epochs=100,
                        optimizer='name = "sgd"\nlr = 0.1\nmomentum = 0.0')
     cfg.write_text(cfg.read_text().replace("batch_size = 16", "batch_size = 4\nhogwild_threads = 2"))
     async with LocalCluster(cfg) as cluster:

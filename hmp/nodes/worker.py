@@ -239,7 +239,9 @@ class WorkerNode(Node):
             drained = acc.drain()
             if drained.updates == 0:
                 return
-            grad_buf.copy_(drained.grad_sum)  # parameters() order == the flat layout's order
+            # A copy, on purpose: the threads keep accumulating into a fresh sum while this one is pushed, and the
+            # push sends the flat gradient buffer (parameters() order == the flat layout's order).
+            grad_buf.copy_(drained.grad_sum)
             await ps.push(samples=drained.samples)
             self.step += drained.updates
             self.metrics.update(samples=self.metrics["samples"] + drained.samples, updates=self.step)

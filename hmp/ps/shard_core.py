@@ -48,6 +48,8 @@ class ShardCore:
         self.consistency = consistency
         self.staleness = staleness
         self.optimizer_name, self.hyper = optimizer, dict(hyper)
+        # Cloned once at start: the shard owns and mutates its chunks, while the given values are views of the
+        # model (or of a received frame) that the caller keeps.
         self.chunks = {k: ChunkState(k, v.detach().clone().reshape(-1),
                                      make_chunk_optimizer(optimizer, v.numel(), dtype=v.dtype, **hyper))
                        for k, v in chunks.items()}

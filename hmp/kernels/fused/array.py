@@ -11,11 +11,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
+from . import flat
 from . import layout as L
 from .base import FusedModule
-from .convert import fuse
-from .loss import fused_cross_entropy
+from .chain import chain_backward, chain_forward, chain_steps
+from .convert import FusedSequential, fuse
+from .linear import FusedLinear
+from .loss import cross_entropy_and_grad
 from .optim import _FusedOptimizer, make_optimizer
 
 
@@ -42,8 +46,21 @@ class FusedArray:
         self.settings = settings
         self.device = torch.device(device)
         self.model: FusedModule = fuse(factory, self.B, device=self.device)
-        self.optimizer: _FusedOptimizer = make_optimizer(optimizer, self.model.parameters(), settings)
         self._params = list(self.model.parameters())
+        self._grad_views: list[torch.Tensor] | None = None
+        if self._params and len({(p.dtype, p.device) for p in self._params}) == 1:
+            # Parameters and gradients each back to back in one buffer, so the fused optimizer
+            # updates them all with one kernel per term (flat.py). A one-time copy at build.
+            values, views = flat.allocate_like(self._params)
+            with torch.no_grad():
+                for p, view in zip(self._params, views):
+                    view.copy_(p)
+                    p.data = view
+            self._values = values
+            self._grads, self._grad_views = flat.allocate_like(self._params)
+        self.optimizer: _FusedOptimizer = make_optimizer(optimizer, self._params, settings)
+        self._chain = self._whole_model_chain()
+        self._modules = list(self.model.modules())  # for the hook check of every direct step
 
     def fused_input(self, x: torch.Tensor) -> torch.Tensor:
         """A batch ``[N, *]`` shared by all members, as the fused model's input (no copy)."""
@@ -61,13 +78,66 @@ class FusedArray:
         """
         if not self.model.training:  # Module.train() walks every submodule: skip when set
             self.model.train()
+        y = y.to(self.device, non_blocking=True)
+        steps = self._direct_steps(x)
+        if steps is not None:
+            return self._step_direct(x, y, steps)
         for p in self._params:  # what zero_grad(set_to_none=True) does, without its overhead
             p.grad = None
-        losses = fused_cross_entropy(self.logits(x), y.to(self.device, non_blocking=True))
-        # The sum, not the mean: member b's gradient is then exactly its own loss's gradient.
-        losses.sum().backward()
-        self.optimizer.step()
-        return losses.detach()
+        logits = self.logits(x)
+        # The loss's gradient by hand (softmax - onehot, over N): the gradient of the *sum* of
+        # the members' losses, so member b's gradient is exactly its own loss's gradient, with
+        # no autograd graph for the loss itself (loss.cross_entropy_and_grad).
+        losses, grad = cross_entropy_and_grad(logits, y)
+        logits.backward(grad)
+        with torch.no_grad():
+            self.optimizer.update()
+        return losses
+
+    def _whole_model_chain(self) -> list[FusedModule] | None:
+        """The model's children when the whole model is one Linear/activation run (an MLP) that
+        reads a dense input, else None (see ``_direct_steps``)."""
+        m = self.model
+        if not isinstance(m, FusedSequential) or m.in_layout != L.DENSE:
+            return None
+        runs = m._runs()
+        if len(runs) != 1 or not runs[0][0]:
+            return None
+        return runs[0][1]
+
+    def _direct_steps(self, x: torch.Tensor) -> list | None:
+        """The chain's steps when ``step`` may train without autograd (``_step_direct``): the
+        model is one Linear/activation run whose activations ``chain.py`` differentiates, the
+        input is ``[N, in_features]``, every parameter is trained and no hook is registered
+        (autograd would run hooks; the direct path has none to run)."""
+        if self._chain is None or x.dim() != 2 or self._grad_views is None:
+            return None
+        steps = chain_steps(self._chain)  # per step: Dropout's mode may have changed
+        first = self._chain[0]
+        if steps is None or not isinstance(first, FusedLinear) or x.shape[1] != first.in_features:
+            return None
+        if not all(p.requires_grad for p in self._params) or _hooks_registered(self._modules, self._params):
+            return None
+        return steps
+
+    def _step_direct(self, x: torch.Tensor, y: torch.Tensor, steps: list) -> torch.Tensor:
+        """``step`` for a fused MLP, by hand: ``chain_forward``, the loss's gradient
+        (``cross_entropy_and_grad``), ``chain_backward`` writing each parameter's gradient
+        straight into the flat gradient buffer, the optimizer. The same arithmetic as the
+        autograd path (tests compare both with B separate torch models); what it saves is
+        autograd's graph, engine and gradient accumulation, which for a small MLP cost more
+        than the batched matmuls (docs/hfta.md)."""
+        with torch.no_grad():
+            xt = x.to(self.device, non_blocking=True).t().unsqueeze(0).expand(self.B, -1, -1)
+            params = self._params
+            out, saved = chain_forward(xt, steps, params)  # [B, classes, N]
+            losses, grad = cross_entropy_and_grad(out.transpose(1, 2), y)
+            chain_backward(grad.transpose(1, 2), steps, params, saved, need_input=False,
+                           out=self._grad_views)
+            for p, g in zip(params, self._grad_views):
+                p.grad = g
+            self.optimizer.update()
+        return losses
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> list[float]:
@@ -89,3 +159,15 @@ class FusedArray:
     def load_member(self, b: int, module: nn.Module) -> None:
         """Overwrite member b's weights and buffers with ``module``'s (optimizer state is kept)."""
         self.model.load_member(b, module)
+
+
+def _hooks_registered(modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> bool:
+    """Whether a module or tensor hook that autograd or ``Module.__call__`` would run is set."""
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        if getattr(_torch_module, name, None):
+            return True
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in params)

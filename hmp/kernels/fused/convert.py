@@ -21,6 +21,7 @@ from hmp.errors import HmpError
 from hmp.models import FieldEmbedding
 
 from .base import FusedModule
+from .chain import chain_params, chain_steps, linear_chain
 from .conv import FusedConv1d, FusedConv2d
 from .elementwise import ACTIVATIONS, CHANNELWISE, FusedChannelwise, FusedElementwise, FusedFlatten, FusedSoftmax
 from .embedding import FusedEmbedding, FusedFieldEmbedding
@@ -130,8 +131,12 @@ class FusedSequential(FusedModule):
                 if x.shape[0] != self.B or x.shape[2] != first.in_features:
                     return first(x)  # raises the shape error naming [B, N, in_features]
                 h = x.transpose(1, 2)  # [B, F, N]
-                for child in run:
-                    h = child.forward_features_first(h) if isinstance(child, FusedLinear) else child(h)
+                steps = chain_steps(run) if torch.is_grad_enabled() else None
+                if steps is not None:  # one autograd node, hand-written backward (chain.py)
+                    h = linear_chain(h, steps, chain_params(run))
+                else:
+                    for child in run:
+                        h = child.forward_features_first(h) if isinstance(child, FusedLinear) else child(h)
                 x = h.transpose(1, 2)
             else:
                 for child in run:

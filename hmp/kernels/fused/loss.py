@@ -57,3 +57,46 @@ def fused_mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected output [B, N, *], got {tuple(output.shape)}")
     t = _target_per_member(target, output.shape[0], tuple(output.shape[1:]))
     return (output - t).square().flatten(1).mean(1)
+
+
+@torch.no_grad()
+def cross_entropy_and_grad(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-member mean cross-entropy ``[B]`` and its gradient with respect to ``logits``, by hand.
+
+    ``logits [B, N, C]``, ``target [N]`` (shared) or ``[B, N]`` int64 class indices. The
+    gradient is ``(softmax(logits) - onehot(target)) / N``: exactly what
+    ``fused_cross_entropy(logits, target).sum().backward()`` sends back, so
+    ``logits.backward(grad)`` gives each member its unfused gradient. A training step that
+    always back-propagates the summed loss saves the loss's autograd graph (five nodes, more
+    than the rest of a small fused MLP's backward) by calling this instead.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits [B, N, C], got {tuple(logits.shape)}")
+    B, N, C = logits.shape
+    t = _target_per_member(target, B, (N,))
+    if t.dtype != torch.int64:
+        raise TypeError(f"expected int64 class indices, got {t.dtype}")
+    # [B, C, N]: classes on dim 1, a free view of a FusedLinear head's contiguous output
+    log_p = torch.log_softmax(logits.detach().transpose(1, 2), dim=1)
+    index = t.unsqueeze(1)  # [B, 1, N]
+    try:  # gather checks every index before the in-place scatter below could run
+        picked = log_p.gather(1, index)
+    except RuntimeError as e:
+        raise ValueError(f"class indices must lie in [0, {C}): {e}") from None
+    losses = picked.view(B, N).mean(1).neg_()
+    grad = log_p.exp_()  # softmax, reusing log_p's memory
+    grad.scatter_add_(1, index, _minus_one(grad).expand(B, 1, N))
+    grad.mul_(1.0 / N)
+    return losses, grad.transpose(1, 2)
+
+
+_MINUS_ONE: dict[tuple, torch.Tensor] = {}
+
+
+def _minus_one(like: torch.Tensor) -> torch.Tensor:
+    """A cached ``[1, 1, 1]`` tensor holding -1 in ``like``'s dtype and device."""
+    key = (like.dtype, like.device)
+    t = _MINUS_ONE.get(key)
+    if t is None:
+        t = _MINUS_ONE[key] = torch.full((1, 1, 1), -1.0, dtype=like.dtype, device=like.device)
+    return t

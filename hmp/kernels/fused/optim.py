@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from numbers import Real
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
+
+from . import flat as _flat
 
 Coef = float | torch.Tensor
 
@@ -102,6 +105,13 @@ def _add_scaled(y: torch.Tensor, x: torch.Tensor, a: Coef, inplace: bool = False
     return y.addcmul_(x, a) if inplace else torch.addcmul(y, x, a)
 
 
+def _global_step_hooks() -> bool:
+    """Whether any optimizer step hook is registered for all optimizers (torch keeps them in
+    module-level dicts; absent in a torch without them)."""
+    return bool(getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
 def _is_zero(c: Coef) -> bool:
     return isinstance(c, float) and c == 0.0
 
@@ -123,7 +133,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"B must be an int >= 1, got {B!r}")
         self.B = B
         self._coefs = _Coefs()
-        self._plans: dict[int, object] = {}  # id(param group) -> cached step coefficients
+        self._plans: dict[tuple, object] = {}  # (id(param group), flat) -> cached step coefficients
+        self._flat_cache: dict[int, tuple] = {}  # id(param group) -> (addresses, spans or None)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -139,6 +150,31 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict) -> None:
         pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every member from the parameters' ``.grad``; returns ``closure()``'s
+        loss if a closure is given (evaluated with gradients enabled, before the update)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._update()
+        return loss
+
+    def update(self) -> None:
+        """``step()`` for a training loop that owns the optimizer: the same update, called
+        inside ``torch.no_grad()`` by the caller, without what torch wraps around every
+        ``Optimizer.step`` (a profiler range, the step hooks, a grad-mode switch). Those cost
+        ~80 us a call, as much as the SGD update of a small fused MLP itself. Falls back to
+        ``step()`` when step hooks are registered, so they still run."""
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks():
+            self.step()
+        else:
+            self._update()
+
+    def _update(self) -> None:
+        raise NotImplementedError
 
     def member_hparams(self, b: int, group: int = 0) -> dict:
         """Member b's hyper-parameters in ``param_groups[group]`` as plain torch-style values."""
@@ -166,9 +202,8 @@ class FusedSGD(_FusedOptimizer):
         if group["nesterov"] and any(m <= 0 or d != 0 for m, d in zip(group["momentum"], group["dampening"])):
             raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0 in every member")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One SGD step for every member; returns ``closure()``'s loss if given.
+    def _update(self) -> None:
+        """One SGD step for every member (see ``step``).
 
         torch's single-tensor order of operations, each over all B members of a parameter at
         once: ``g += wd * p``; ``buf = momentum * buf + (1 - dampening) * g`` (one pass,
@@ -177,46 +212,101 @@ class FusedSGD(_FusedOptimizer):
         The coefficients come from a plan cached per group (``_plan``). Per-tensor ops, not
         ``torch._foreach_*``: on CPU those loop over the same kernels and measured slower here.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            plan = self._plan(group, params)
             nesterov, maximize = group["nesterov"], group["maximize"]
+            flat = self._flat_operands(group, params)
+            if flat is not None:  # one kernel per term over all parameters (flat.py)
+                P, G, buf, plan = flat
+                new = self._sgd_tensor(P, G, buf, plan, 0, nesterov, maximize)
+                if buf is None and new is not None:  # first step: each parameter's state is a view
+                    offset = 0
+                    for p in params:
+                        self.state[p]["momentum_buffer"] = new[offset:offset + p.numel()].view(p.shape)
+                        offset += p.numel()
+                continue
+            plan = self._plan(group, params)
             for i, p in enumerate(params):
-                g = -p.grad if maximize else p.grad
-                if plan.wd is not None:
-                    g = _add_scaled(g, p, plan.wd[i])
-                if plan.momentum is not None:
-                    m = plan.momentum[i]
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:  # torch's first step: buf = g, no dampening
-                        buf = state["momentum_buffer"] = g.clone().detach()
-                    elif plan.one_pass:
-                        torch.add(g, buf, alpha=m, out=buf)  # buf = m * buf + g, one pass
-                    else:
-                        buf.mul_(m)
-                        _add_scaled(buf, g, plan.keep[i], inplace=True)
-                    g = _add_scaled(g, buf, m) if nesterov else buf
-                _add_scaled(p, g, plan.neg_lr[i], inplace=True)
-        return loss
+                state = self.state[p]
+                buf = state.get("momentum_buffer") if plan.momentum is not None else None
+                new = self._sgd_tensor(p, p.grad, buf, plan, i, nesterov, maximize)
+                if buf is None and new is not None:
+                    state["momentum_buffer"] = new
 
-    def _plan(self, group: dict, params: list[torch.Tensor]) -> "_SGDPlan":
+    @staticmethod
+    def _sgd_tensor(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, plan: "_SGDPlan",
+                    i: int, nesterov: bool, maximize: bool) -> torch.Tensor | None:
+        """Update ``p`` (one parameter, or the span of all of them) from ``grad``; returns the
+        momentum buffer (a new one on the first step, when ``buf`` is None)."""
+        g = -grad if maximize else grad
+        if plan.wd is not None:
+            g = _add_scaled(g, p, plan.wd[i])
+        if plan.momentum is not None:
+            m = plan.momentum[i]
+            if buf is None:  # torch's first step: buf = g, no dampening
+                buf = g.clone().detach()
+            elif plan.one_pass:
+                torch.add(g, buf, alpha=m, out=buf)  # buf = m * buf + g, one pass
+            else:
+                buf.mul_(m)
+                _add_scaled(buf, g, plan.keep[i], inplace=True)
+            g = _add_scaled(g, buf, m) if nesterov else buf
+        _add_scaled(p, g, plan.neg_lr[i], inplace=True)
+        return buf
+
+    def _flat_operands(self, group: dict, params: list[torch.Tensor]):
+        """``(P, G, buf, plan)`` when the group's parameters, their gradients and their momentum
+        buffers (if any yet) each lie back to back in one buffer (``flat.span``), else None.
+        The spans are cached by the tensors' addresses (the cache keeps the storages alive, so
+        an address cannot come back as another tensor's)."""
+        grads = [p.grad for p in params]
+        use_momentum = any(m != 0 for m in group["momentum"])
+        bufs = [self.state[p].get("momentum_buffer") for p in params] if use_momentum else []
+        if any(b is None for b in bufs):
+            if not all(b is None for b in bufs):
+                return None  # some members of the group have state, some not: per tensor
+            bufs = []
+        key = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in grads),
+               tuple(t.data_ptr() for t in bufs))
+        cached = self._flat_cache.get(id(group))
+        if cached is None or cached[0] != key:
+            P, G = _flat.span(params), _flat.span(grads)
+            if P is None or G is None or G.dtype != P.dtype:
+                self._flat_cache[id(group)] = (key, None)
+                return None
+            buf = _flat.span(bufs) if bufs else None
+            if bufs and buf is None:
+                # Buffers apart (a loaded state dict, or steps taken on the per-tensor path):
+                # gather them into one buffer, once, and make each parameter's state a view.
+                buf, views = _flat.allocate_like(bufs)
+                for p, old, view in zip(params, bufs, views):
+                    view.copy_(old)
+                    self.state[p]["momentum_buffer"] = view
+                key = key[:2] + (tuple(v.data_ptr() for v in views),)
+            cached = self._flat_cache[id(group)] = (key, (P, G, buf))
+        if cached[1] is None:
+            return None
+        P, G, buf = cached[1]
+        return P, G, buf, self._plan(group, params, flat=True)
+
+    def _plan(self, group: dict, params: list[torch.Tensor], flat: bool = False) -> "_SGDPlan":
         """The step's coefficients for ``group``, rebuilt only when a hyper-parameter (say, a
-        scheduler's lr) or the set of parameters with gradients changed."""
+        scheduler's lr) or the set of parameters with gradients changed. ``flat``: for the
+        span of all parameters (one entry per list; a coefficient that differs between members
+        is then a per-element vector, ``flat.member_vector``)."""
         key = (tuple(group["lr"]), tuple(group["momentum"]), tuple(group["dampening"]),
-               tuple(group["weight_decay"]), tuple(map(id, params)), params[0].device, params[0].dtype)
-        plan = self._plans.get(id(group))
+               tuple(group["weight_decay"]), tuple(map(id, params)), params[0].device, params[0].dtype, flat)
+        plan = self._plans.get((id(group), flat))
         if plan is not None and plan.key == key:
             return plan
         c = self._coefs
 
         def each(values) -> list:
+            if flat:
+                first = values[0]
+                return [float(first) if all(v == first for v in values) else _flat.member_vector(values, params)]
             v = c.each(values, params)
             return [v] * len(params) if isinstance(v, float) else v
 
@@ -234,12 +324,13 @@ class FusedSGD(_FusedOptimizer):
             one_pass=uniform_m and all(k == 1.0 for k in keep),
             neg_lr=each([-v for v in group["lr"]]),
         )
-        self._plans[id(group)] = plan
+        self._plans[(id(group), flat)] = plan
         return plan
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._plans.clear()
+        self._flat_cache.clear()
 
 
 @dataclass(slots=True)
@@ -276,17 +367,12 @@ class FusedAdam(_FusedOptimizer):
         if any(not (0 <= b1 < 1 and 0 <= b2 < 1) for b1, b2 in group["betas"]):
             raise ValueError(f"Adam betas must lie in [0, 1) for every member, got {group['betas']}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One Adam(W) step for every member; returns ``closure()``'s loss if given.
+    def _update(self) -> None:
+        """One Adam(W) step for every member (see ``step``).
 
         ``torch._foreach_*`` calls over all of a group's parameters, in torch's single-tensor
         order of operations (bias corrections computed per member in double precision).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         c = self._coefs
         for group in self.param_groups:
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -341,7 +427,6 @@ class FusedAdam(_FusedOptimizer):
                     torch._foreach_addcdiv_(params, exp_avg, denom, value=neg_step)
                 else:
                     torch._foreach_addcmul_(params, torch._foreach_div(exp_avg, denom), neg_step)
-        return loss
 
 
 class FusedAdamW(FusedAdam):

@@ -34,6 +34,14 @@ def span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((total,), (1,), first.storage_offset())
 
 
+def back_to_back(tensors: Sequence[torch.Tensor]) -> bool:
+    """A cheap necessary condition for ``span``: each tensor starts where the previous ends."""
+    for a, b in zip(tensors, tensors[1:]):
+        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+            return False
+    return True
+
+
 def allocate_like(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One new zeroed buffer and views into it shaped like ``tensors`` (same dtype and device,
     which must agree), back to back in order."""

@@ -262,6 +262,8 @@ class FusedSGD(_FusedOptimizer):
         The spans are cached by the tensors' addresses (the cache keeps the storages alive, so
         an address cannot come back as another tensor's)."""
         grads = [p.grad for p in params]
+        if not (_flat.back_to_back(params) and _flat.back_to_back(grads)):
+            return None  # the usual case for autograd's own gradients: decided on addresses alone
         use_momentum = any(m != 0 for m in group["momentum"])
         bufs = [self.state[p].get("momentum_buffer") for p in params] if use_momentum else []
         if any(b is None for b in bufs):

@@ -246,3 +246,121 @@ def test_update_runs_step_hooks_when_registered():
     with torch.no_grad():
         fo.update()
     assert calls == [1]
+
+
+# --- regressions found in review -------------------------------------------------------------
+
+def _grads_both_ways(factory, x, B=2, loss=lambda y: y.square().sum()):
+    """Parameter (and input) gradients of one fused model with the hand-written chain and with
+    per-op autograd (``hand_backward = False``)."""
+    torch.manual_seed(0)
+    fused = fuse(factory, B)
+    out = []
+    for hand in (True, False):
+        fused.hand_backward = hand
+        xi = x.detach().clone().requires_grad_(x.requires_grad)
+        for p in fused.parameters():
+            p.grad = None
+        loss(fused(xi)).backward()
+        out.append([p.grad.clone() for p in fused.parameters()] + ([xi.grad] if x.requires_grad else []))
+    return out
+
+
+@pytest.mark.parametrize("middle", [
+    [nn.Tanh(), nn.Sigmoid()], [nn.LeakyReLU(0.1), nn.Sigmoid()], [nn.Tanh(), nn.Dropout(0.0), nn.Tanh()],
+    [nn.Sigmoid(), nn.Identity(), nn.ReLU()],
+])
+def test_two_activations_in_a_row_keep_their_saved_outputs(middle):
+    """The second of two activations must not overwrite the first one's output in place (its
+    backward reads it)."""
+    import copy as _copy
+
+    factory = lambda: nn.Sequential(nn.Linear(5, 6), *_copy.deepcopy(middle), nn.Linear(6, 3))  # noqa: E731
+    hand, plain = _grads_both_ways(factory, torch.randn(2, 4, 5, requires_grad=True))
+    for a, b in zip(hand, plain):
+        torch.testing.assert_close(a, b, **TOL)
+    # and FusedArray's direct path trains it like torch
+    data = batches(k=3, features=5)
+    models = train_serial(factory, SETTINGS[:2], data)
+    torch.manual_seed(0)
+    array = FusedArray(factory, SETTINGS[:2])
+    assert array._direct_steps(data[0][0]) is not None
+    for x, y in data:
+        array.step(x, y)
+    assert_members_equal(array, models)
+
+
+def test_modifying_the_chain_output_in_place_is_caught_like_torch():
+    """A run that ends with an activation returns the tensor its backward reads: modifying it in
+    place must raise autograd's error, not give wrong gradients."""
+    fused = fuse(lambda: nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.Tanh()), 2)
+    y = fused(torch.randn(2, 6, 4))
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_hooks_on_a_runs_children_still_fire_and_autocast_still_works():
+    fused = fuse(lambda: mlp("relu"), 2)
+    calls = []
+    fused[1].register_forward_hook(lambda *args: calls.append(1))
+    fused(torch.randn(2, 3, 6)).sum().backward()
+    assert calls == [1]
+
+    fused = fuse(lambda: mlp("tanh"), 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fused(torch.randn(2, 3, 6))
+    y.float().sum().backward()
+    assert all(p.grad is not None for p in fused.parameters())
+    array = FusedArray(lambda: mlp("tanh"), SETTINGS[:2])
+    x, y = batches(k=1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert array._direct_steps(x) is None
+        losses = array.step(x, y)
+    assert torch.isfinite(losses).all()
+
+
+def test_torch_func_and_double_backward_have_a_way_through():
+    """Inside torch.func transforms the chain steps aside (per-op autograd); double backward
+    needs ``hand_backward = False`` and then works."""
+    fused = fuse(lambda: mlp("tanh"), 2)
+    params = dict(fused.named_parameters())
+    x = torch.randn(2, 3, 6)
+    grads = torch.func.grad(lambda p: torch.func.functional_call(fused, p, (x,)).sum())(params)
+    fused(x).sum().backward()  # the hand-written chain, outside any transform
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+    fused.hand_backward = False
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(fused(xg).square().sum(), xg, create_graph=True)
+    g.square().sum().backward()  # a gradient penalty
+    assert all(p.grad is not None for p in fused.parameters())
+
+
+def test_update_goes_through_a_patched_or_overridden_step():
+    array = FusedArray(lambda: mlp("relu"), SETTINGS[:2])
+    calls = []
+    original = array.optimizer.step
+
+    def counting_step(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    array.optimizer.step = counting_step
+    x, y = batches(k=1)[0]
+    array.step(x, y)
+    assert calls == [1]
+
+
+def test_flat_update_bumps_every_parameters_version():
+    """Autograd must see every parameter as modified after a flat update (a backward through a
+    graph built before the update then fails, as with torch's optimizers)."""
+    array = FusedArray(lambda: mlp("relu"), SETTINGS[:2])
+    x, y = batches(k=1)[0]
+    array.step(x, y)  # gradients now in the flat gradient buffer
+    before = [p._version for p in array._params]
+    with torch.no_grad():
+        array.optimizer.update()
+    assert array.optimizer._flat_cache[id(array.optimizer.param_groups[0])][1] is not None
+    assert all(p._version > v for p, v in zip(array._params, before))

@@ -11,12 +11,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _torch_module
 
 from . import flat
 from . import layout as L
 from .base import FusedModule
-from .chain import chain_backward, chain_forward, chain_steps
+from .chain import chain_backward, chain_forward, chain_steps, hand_backward_allowed, hooks_registered
 from .convert import FusedSequential, fuse
 from .linear import FusedLinear
 from .loss import cross_entropy_and_grad
@@ -116,7 +115,9 @@ class FusedArray:
         first = self._chain[0]
         if steps is None or not isinstance(first, FusedLinear) or x.shape[1] != first.in_features:
             return None
-        if not all(p.requires_grad for p in self._params) or _hooks_registered(self._modules, self._params):
+        if not all(p.requires_grad for p in self._params) or not self.model.hand_backward:
+            return None
+        if hooks_registered(self._modules, self._params) or not hand_backward_allowed(x, ()):
             return None
         return steps
 
@@ -160,14 +161,3 @@ class FusedArray:
         """Overwrite member b's weights and buffers with ``module``'s (optimizer state is kept)."""
         self.model.load_member(b, module)
 
-
-def _hooks_registered(modules: Sequence[nn.Module], params: Sequence[torch.Tensor]) -> bool:
-    """Whether a module or tensor hook that autograd or ``Module.__call__`` would run is set."""
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks"):
-        if getattr(_torch_module, name, None):
-            return True
-    for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return True
-    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in params)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as _torch_module
 
 from .elementwise import FusedElementwise
 from .linear import FusedLinear
@@ -65,6 +66,32 @@ def chain_steps(run: Sequence[nn.Module]) -> list[Step] | None:
     return steps
 
 
+def hooks_registered(modules: Sequence[nn.Module], params: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether a module hook (on any of ``modules``, or global) or a tensor hook on ``params``
+    is set: ``Module.__call__`` and autograd would run it, the hand-written path would not."""
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        if getattr(_torch_module, name, None):
+            return True
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+
+
+def hand_backward_allowed(x: torch.Tensor, run: Sequence[nn.Module]) -> bool:
+    """Whether the run may take the hand-written path for input ``x``: not under autocast (the
+    backward would mix the autocast dtype with the float32 weights), not inside a
+    ``torch.func`` transform (the Function has no ``setup_context``/vmap rule), and no hook
+    on the run's modules (they would be skipped)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    are_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if are_transforms_active is not None and are_transforms_active():
+        return False
+    return not hooks_registered([sub for m in run for sub in m.modules()])
+
+
 def chain_params(run: Sequence[nn.Module]) -> list[torch.Tensor]:
     """The run's parameters in the order ``linear_chain`` takes them: weight, then bias if
     any, per Linear."""
@@ -104,7 +131,7 @@ def chain_forward(x: torch.Tensor, steps: Sequence[Step], params: Sequence[torch
     ``saved`` holding per step what ``chain_backward`` needs (a Linear's input, an activation's
     output). Activations write in place into tensors made here (never into ``x``)."""
     saved: list[torch.Tensor] = []
-    h, fresh, i = x, False, 0  # fresh: h was made here, so an activation may overwrite it
+    h, fresh, i = x, False, 0  # fresh: h is a Linear's new output, so an activation may overwrite it
     for kind, arg in steps:
         if kind == LINEAR:
             saved.append(h)
@@ -118,7 +145,9 @@ def chain_forward(x: torch.Tensor, steps: Sequence[Step], params: Sequence[torch
         else:
             h = _activate_(h, kind, arg, inplace=fresh)
             saved.append(h)
-        fresh = True
+        # Only a Linear's output may be overwritten in place: an activation's output is saved
+        # for its own backward, so a second activation in a row must not write over it.
+        fresh = kind == LINEAR
     return h, saved
 
 
@@ -166,8 +195,12 @@ class _LinearChain(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, steps: list[Step], *params: torch.Tensor) -> torch.Tensor:
         h, saved = chain_forward(x, steps, params)
         ctx.steps = steps
-        ctx.saved = saved  # intermediates: never handed out, so nobody else can modify them
-        ctx.save_for_backward(x, *params)  # inputs: autograd checks nobody modified them
+        ctx.ends_with_activation = steps[-1][0] != LINEAR
+        # Intermediates are never handed out, so nobody else can modify them; the inputs and,
+        # when the run ends with an activation (whose backward reads it), the output are what
+        # the caller holds: save_for_backward makes autograd check they were not modified.
+        ctx.saved = saved[:-1] if ctx.ends_with_activation else saved
+        ctx.save_for_backward(x, *params, *([h] if ctx.ends_with_activation else []))
         return h
 
     @staticmethod
@@ -175,6 +208,8 @@ class _LinearChain(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         _, *params = ctx.saved_tensors
         saved = ctx.saved  # kept: backward may run again (retain_graph=True)
+        if ctx.ends_with_activation:
+            saved = [*saved, params.pop()]
         need_input = ctx.needs_input_grad[0]
         gx, grads = chain_backward(g, ctx.steps, params, saved, need_input,
                                    need_param=ctx.needs_input_grad[2:])

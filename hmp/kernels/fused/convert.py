@@ -21,7 +21,7 @@ from hmp.errors import HmpError
 from hmp.models import FieldEmbedding
 
 from .base import FusedModule
-from .chain import chain_params, chain_steps, linear_chain
+from .chain import chain_params, chain_steps, hand_backward_allowed, linear_chain
 from .conv import FusedConv1d, FusedConv2d
 from .elementwise import ACTIVATIONS, CHANNELWISE, FusedChannelwise, FusedElementwise, FusedFlatten, FusedSoftmax
 from .embedding import FusedEmbedding, FusedFieldEmbedding
@@ -87,6 +87,11 @@ class FusedSequential(FusedModule):
     """
 
     torch_type = nn.Sequential
+    hand_backward: bool = True
+    """Differentiate Linear/activation runs by hand (``chain.py``): one autograd node per run,
+    and ``FusedArray`` trains a fused MLP without autograd. Set False on an instance for
+    per-op autograd, e.g. to back-propagate twice (``create_graph=True``), which the
+    hand-written backward does not support."""
 
     def __init__(self, children: "OrderedDict[str, FusedModule]", *, B: int,
                  in_layout: str = DENSE, out_layout: str = DENSE) -> None:
@@ -131,7 +136,8 @@ class FusedSequential(FusedModule):
                 if x.shape[0] != self.B or x.shape[2] != first.in_features:
                     return first(x)  # raises the shape error naming [B, N, in_features]
                 h = x.transpose(1, 2)  # [B, F, N]
-                steps = chain_steps(run) if torch.is_grad_enabled() else None
+                steps = (chain_steps(run) if torch.is_grad_enabled() and self.hand_backward
+                         and hand_backward_allowed(h, run) else None)
                 if steps is not None:  # one autograd node, hand-written backward (chain.py)
                     h = linear_chain(h, steps, chain_params(run))
                 else:

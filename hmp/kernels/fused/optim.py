@@ -105,6 +105,9 @@ def _add_scaled(y: torch.Tensor, x: torch.Tensor, a: Coef, inplace: bool = False
     return y.addcmul_(x, a) if inplace else torch.addcmul(y, x, a)
 
 
+_increment_version = torch.autograd.graph.increment_version
+
+
 def _global_step_hooks() -> bool:
     """Whether any optimizer step hook is registered for all optimizers (torch keeps them in
     module-level dicts; absent in a torch without them)."""
@@ -168,8 +171,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ``Optimizer.step`` (a profiler range, the step hooks, a grad-mode switch). Those cost
         ~80 us a call, as much as the SGD update of a small fused MLP itself. Falls back to
         ``step()`` when step hooks are registered, so they still run."""
-        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks():
-            self.step()
+        if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks()
+                or "step" in self.__dict__  # patched on the instance (a scheduler's step counter, say)
+                or getattr(type(self).step, "__wrapped__", None) is not _FusedOptimizer.__dict__["step"]):
+            self.step()  # someone wraps or overrides step: go through it
         else:
             self._update()
 
@@ -221,6 +226,8 @@ class FusedSGD(_FusedOptimizer):
             if flat is not None:  # one kernel per term over all parameters (flat.py)
                 P, G, buf, plan = flat
                 new = self._sgd_tensor(P, G, buf, plan, 0, nesterov, maximize)
+                for p in params[1:]:  # the span shares params[0]'s version counter only; autograd
+                    _increment_version(p)  # must see every parameter as modified, as per tensor
                 if buf is None and new is not None:  # first step: each parameter's state is a view
                     offset = 0
                     for p in params:

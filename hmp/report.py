@@ -34,10 +34,13 @@ class RunReport:
         return {w: (d["series"][-1] if d["series"] else {}) for w, d in self.workers.items()}
 
     def summary(self) -> dict[str, Any]:
-        total_updates = sum(d["final"].get("updates", 0) for d in self.workers.values()) or 1
+        # A worker that left without a final report (lost, or left early) counts with its last
+        # progress report, in the total as in its own share, so the shares sum to 1.
+        last = {w: d["final"] or (d["series"][-1] if d["series"] else {}) for w, d in self.workers.items()}
+        total_updates = sum(f.get("updates", 0) for f in last.values()) or 1
         out = {}
         for w, d in self.workers.items():
-            f = d["final"] or (d["series"][-1] if d["series"] else {})
+            f = last[w]
             out[w] = {"updates": f.get("updates", 0), "samples": f.get("samples", 0),
                       "samples_per_s": f.get("samples_per_s", 0.0), "bytes_out": f.get("bytes_out", 0),
                       "bytes_in": f.get("bytes_in", 0), "busy_fraction": f.get("busy_fraction", 0.0),

@@ -73,6 +73,30 @@ async def test_killed_daemon_stops_the_job(tmp_path):
     assert all(p.returncode is not None for p in cluster.procs.values())
 
 
+async def test_sync_worker_blocked_in_a_round_hears_the_shutdown_when_its_peer_dies(tmp_path):
+    """Sync mode, one worker killed: the other is stuck in a round that cannot complete. It must
+    stop on the scheduler's shutdown within seconds and cleanly, not wait out its 60 s request
+    timeout and fail."""
+    cfg = write_config(tmp_path, consistency="sync", target=1.0, epochs=1000, max_seconds=120)
+    cfg.write_text(cfg.read_text() + "\n[limits]\nrequest_timeout_s = 60.0\n")
+    cluster = LocalCluster(cfg, grace_s=5)
+    async with cluster:
+        for _ in range(300):
+            st = await cluster.status()
+            if st and any(w.get("updates", 0) > 5 for w in st.get("workers", {}).values()):
+                break
+            await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        cluster.kill("cpu0")
+        survivor = cluster.procs["gpu0"]
+        while survivor.returncode is None and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.1)
+        waited = time.monotonic() - t0
+        assert survivor.returncode == 0, f"gpu0 exited {survivor.returncode} after {waited:.1f} s"
+        assert waited < 20
+    assert all(p.returncode is not None for p in cluster.procs.values())
+
+
 async def test_bad_requests_to_a_live_shard_get_errors_while_training_goes_on(tmp_path):
     """Wrong dtype, wrong shape, unknown key and unknown op sent to a live shard get error replies; the job still finishes."""
     cfg_path = write_config(tmp_path, fixed_ps_ports=True, target=0.95)

@@ -29,3 +29,14 @@ def test_report_has_every_per_worker_metric_and_batch_size_over_time(tmp_path):
 def test_batch_size_changes_skips_points_without_a_batch_size():
     assert batch_size_changes([]) == []
     assert batch_size_changes([{"t": 0.1}, {"t": 0.2, "batch_size": 8}, {"t": 0.3}, {"t": 0.4, "batch_size": 8}]) == [[0.2, 8]]
+
+
+def test_update_shares_sum_to_one_when_a_worker_left_without_a_final_report():
+    """A lost worker's share comes from its last progress report, in the total too."""
+    report = RunReport(job="j", config="c.toml", consistency="async", policy="static")
+    report.add_sample("cpu0", 1.0, {"updates": 30})
+    report.finish_worker("cpu0", {"updates": 30})
+    report.add_sample("gpu0", 1.0, {"updates": 10})
+    report.finish_worker("gpu0", {})  # left without a done report
+    shares = {w: s["update_share"] for w, s in report.summary().items()}
+    assert shares == {"cpu0": 0.75, "gpu0": 0.25}

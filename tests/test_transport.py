@@ -303,3 +303,39 @@ def test_tune_malloc_lets_large_frames_reuse_memory():
     applied, faults = out.stdout.split()
     assert applied == "True"
     assert int(faults) < 2048, f"{faults} page faults for a 64 MiB frame (16384 would be one per page)"
+
+
+async def test_a_handler_may_start_a_timeout_before_it_first_suspends(tcp_address):
+    """Handlers start eagerly; one whose first await is inside asyncio.wait_for (the scheduler's
+    join, a shard's sync push) must work: from Python 3.12 a timeout needs a current Task."""
+    released = asyncio.Event()
+
+    async def waits(msg, peer):
+        await asyncio.wait_for(released.wait(), 5)
+        return Ack(detail="released")
+
+    async with Server(tcp_address, {Kind.TENSORS: waits}) as srv:
+        async with Client(srv.address) as client:
+            pending = asyncio.create_task(client.request(Tensors(name="x", tensors=()), timeout_s=5))
+            await asyncio.sleep(0.05)
+            released.set()
+            assert (await pending).detail == "released"
+
+
+async def test_close_tells_the_sender_of_a_cancelled_handler(tcp_address):
+    """A request still being handled when close() gives up on it gets a shutting_down error at
+    once, instead of the sender waiting out its own timeout."""
+    async def stuck(msg, peer):
+        await asyncio.sleep(30)
+
+    srv = Server(tcp_address, {Kind.TENSORS: stuck})
+    await srv.start()
+    async with Client(srv.address) as client:
+        pending = asyncio.create_task(client.request(Tensors(name="x", tensors=()), timeout_s=20))
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await srv.close(grace_s=0.1)
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(pending, 5)
+        assert info.value.code == "shutting_down" and loop.time() - t0 < 5

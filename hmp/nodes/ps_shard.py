@@ -75,10 +75,16 @@ class PSShardNode(Node):
         return st
 
     async def _before_mutation(self) -> None:
-        # Replies reference the chunk tensors (zero-copy); wait until libzmq has sent them.
-        pending, self._replies_in_flight = self._replies_in_flight, []
-        for tracker in pending:
-            await wait_sent(tracker)
+        # Replies reference the chunk tensors (zero-copy); wait until libzmq has sent them. The
+        # list stays shared until every send is done: a second mutation arriving meanwhile must
+        # wait for the same replies (handing the list to the first caller let it through early),
+        # and so must replies queued while this one waited.
+        while self._replies_in_flight:
+            first = self._replies_in_flight[0]
+            try:
+                await wait_sent(first)
+            finally:  # a send that timed out is dropped too: it must not hold up every later update
+                self._replies_in_flight = [t for t in self._replies_in_flight if t is not first and not t.done]
 
     async def _reply(self, peer: bytes, rid: int, keys: tuple[int, ...]) -> None:
         assert self.server is not None
@@ -127,6 +133,8 @@ class PSShardNode(Node):
     async def _maybe_finish_round(self) -> None:
         if self.core.consistency == "sync" and self.core.round_complete():
             await self._before_mutation()
+            if not self.core.round_complete():
+                return  # another push or leave finished this round while we waited
             self.core.finish_round()
             if self._round_done is not None and not self._round_done.done():
                 self._round_done.set_result(self.core.version)

@@ -245,6 +245,12 @@ class SchedulerNode(Node):
         done = asyncio.create_task(self.workers_done.wait())
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait({monitor, done, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if monitor.done() and not monitor.cancelled() and monitor.exception() is not None:
+            # The monitor (stop rules, liveness) broke: the job cannot be judged any more. That
+            # is a failure with its cause, not a graceful stop.
+            exc = monitor.exception()
+            self.log.error("monitor_failed", error=f"{exc.__class__.__name__}: {exc}")
+            self.job_failed = self.job_failed or f"scheduler monitor failed: {exc.__class__.__name__}: {exc}"
         for t in (monitor, done, stop):
             t.cancel()
         await asyncio.gather(monitor, done, stop, return_exceptions=True)

@@ -79,6 +79,32 @@ class WorkerNode(Node):
             await asyncio.gather(hb, return_exceptions=True)
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
 
+    async def push_unless_stopped(self, ps: PSClient, samples: int) -> bool:
+        """Push the gradient buffer; False when the node was told to stop first.
+
+        A sync round (or an SSP wait) can block a push until the request timeout when another
+        worker dies: the job is then over, and this worker must hear the scheduler's shutdown
+        rather than wait out the timeout. Asynchronous pushes never wait on other workers and
+        go straight through (no extra tasks on the hot path).
+        """
+        if self.cfg.train.consistency == "async":
+            await ps.push(samples=samples)
+            return True
+        push = asyncio.ensure_future(ps.push(samples=samples))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({push, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not push.done():
+                push.cancel()
+            await asyncio.gather(push, stop, return_exceptions=True)
+        if push.cancelled():
+            self.log.info("push_abandoned", reason="stopping")
+            return False
+        push.result()  # raises what the push raised
+        return True
+
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)
         return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
@@ -195,7 +221,8 @@ class WorkerNode(Node):
                 lv = member_losses.mean().item()
                 self.metrics.update({f"member{b}_loss": float(v) for b, v in enumerate(member_losses)})
             self.busy_s += time.perf_counter() - t0
-            await ps.push(samples=len(idx))
+            if not await self.push_unless_stopped(ps, len(idx)):
+                return
             self.step += 1
             ema = lv if ema is None else 0.9 * ema + 0.1 * lv
             self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
@@ -242,7 +269,8 @@ class WorkerNode(Node):
             # A copy, on purpose: the threads keep accumulating into a fresh sum while this one is pushed, and the
             # push sends the flat gradient buffer (parameters() order == the flat layout's order).
             grad_buf.copy_(drained.grad_sum)
-            await ps.push(samples=drained.samples)
+            if not await self.push_unless_stopped(ps, drained.samples):
+                return
             self.step += drained.updates
             self.metrics.update(samples=self.metrics["samples"] + drained.samples, updates=self.step)
 
@@ -253,11 +281,15 @@ class WorkerNode(Node):
             t0 = time.perf_counter()
             run = asyncio.create_task(asyncio.to_thread(trainer.accumulate_gradients, x[ids], y[ids], acc, epochs=1,
                                                         seed=self.step))
-            while not run.done():
-                await asyncio.wait({run}, timeout=0.005)
-                await push_pending()
-                if self.stopping.is_set() or self.stop_requested:
-                    trainer.stop()
+            try:
+                while not run.done():
+                    await asyncio.wait({run}, timeout=0.005)
+                    await push_pending()
+                    if self.stopping.is_set() or self.stop_requested:
+                        trainer.stop()
+            finally:  # a failed push must not leave the threads training on into a closed PS client
+                trainer.stop()
+                await asyncio.wait({run})
             stats = run.result()
             await push_pending()
             self.busy_s += min(stats.busy_s / max(1, self.node.hogwild_threads), time.perf_counter() - t0)

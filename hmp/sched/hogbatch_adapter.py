@@ -53,11 +53,19 @@ class HogbatchAdapter:
         except ValueError as exc:
             raise ConfigError(cfg.path, "train.policy_args", str(exc)) from None
         self.kinds = {w.id: _kind(w.role) for w in cfg.workers}
+        self.configured = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
+        self.default_batch = cfg.train.batch_size
         self.assignments = self.policy.initial(list(self.kinds.items()))
         self.last: dict[str, tuple[float, float, float]] = {}  # worker -> (time, samples, busy)
 
     def initial(self, worker_id: str) -> int:
-        return self.assignments[worker_id].batch_size
+        a = self.assignments.get(worker_id)
+        if a is not None:
+            return a.batch_size
+        # Not among the policy's live workers: dropped as stale before it joined (stale_after_s),
+        # or forgotten and now rejoining. It starts at its configured batch; its first report
+        # registers it with the policy again (a late join).
+        return self.configured.get(worker_id, self.default_batch)
 
     def update(self, worker_id: str, metrics: dict[str, float], now_s: float) -> tuple[int, float]:
         samples = metrics.get("samples", 0.0)

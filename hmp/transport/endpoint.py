@@ -39,6 +39,7 @@ import ctypes
 import itertools
 import os
 import platform
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -74,6 +75,10 @@ def context() -> zmq.asyncio.Context:
     Endpoints open plain sockets in it; any ``zmq.Context`` may be passed as ``ctx`` instead.
     """
     return zmq.asyncio.Context.instance()
+
+
+# asyncio.Task(..., eager_start=True) exists from Python 3.12 (see Server._on_message).
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 def tune_malloc(retain_bytes: int = 1 << 30) -> bool:
@@ -347,10 +352,18 @@ class Server:
         if not self.eager:
             self._track(self._chan.loop.create_task(coro))  # type: ignore[union-attr]
             return
-        # Start the handler right here, like Python 3.12's eager tasks: most handlers finish
-        # without suspending, and a Task per request costs more than the rest of the request
-        # (~5-10 us, bench/transport.py). One that suspends continues in a Task of its own.
+        # Start the handler right here: most handlers finish without suspending, and a Task per
+        # request costs more than the rest of the request (~5-10 us, bench/transport.py). One that
+        # suspends continues in a Task of its own.
         ctx = contextvars.copy_context()  # what create_task would give it
+        if _EAGER_TASKS:
+            # Python 3.12+: a real eager task. Its first step runs inside the Task, so a handler
+            # may start a timeout (asyncio.wait_for/timeout need a current task from 3.12 on)
+            # before it first suspends.
+            task = asyncio.Task(coro, loop=self._chan.loop, context=ctx, eager_start=True)  # type: ignore[union-attr]
+            if not task.done():
+                self._track(task)
+            return
         try:
             first = ctx.run(coro.send, None)
         except StopIteration:
@@ -386,6 +399,11 @@ class Server:
             await self._send_error(peer, msg.rid, exc.code, str(exc))
             return
         except asyncio.CancelledError:
+            if self._closing and self._chan is not None:
+                # close() cancels handlers still running after its grace period: tell the sender
+                # now instead of leaving it to wait out its request timeout.
+                self._reply_error(peer, msg.rid, "shutting_down",
+                                  f"{self.name} shut down before answering {msg.kind.value!r}")
             raise
         except Exception as exc:  # a handler bug must not kill the server; the sender hears of it
             self.stats["errors"] += 1

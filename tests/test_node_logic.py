@@ -1,0 +1,69 @@
+"""Node logic without sockets: the Hogbatch adapter's view of joins, and a PS shard's rule that
+replies still being sent hold back every update of the chunks they reference."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from hmp.config import load
+from hmp.messages import Push
+from hmp.nodes.ps_shard import PSShardNode
+from hmp.sched.batching import make_batch_policy
+
+from .cluster_util import write_config
+
+
+def test_a_worker_dropped_as_stale_before_it_joined_can_still_join(tmp_path):
+    """With stale_after_s, a slow-starting worker is dropped before its first report; its join
+    then gets its configured batch, and its first report registers it again."""
+    cfg = load(write_config(tmp_path, policy="adaptive", extra_train="policy_args = { stale_after_s = 2.0 }"))
+    adapter = make_batch_policy(cfg)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0):
+        adapter.update("cpu0", {"samples": 100 * t, "busy_s": 0.1 * t, "updates": int(10 * t), "batch_size": 16}, t)
+    assert "gpu0" not in adapter.policy.live
+    assert adapter.initial("gpu0") == 128  # its configured batch
+    batch, share = adapter.update("gpu0", {"samples": 1280, "busy_s": 0.1, "updates": 10, "batch_size": 128}, 3.5)
+    assert "gpu0" in adapter.policy.live and batch >= 1 and 0 < share < 1
+
+
+class _SlowTracker:
+    """A tracked send libzmq is still busy with for ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.until = asyncio.get_running_loop().time() + seconds
+
+    @property
+    def done(self) -> bool:
+        return asyncio.get_running_loop().time() >= self.until
+
+
+async def test_concurrent_pushes_both_wait_for_replies_still_being_sent(tmp_path):
+    cfg = load(write_config(tmp_path))
+    node = PSShardNode(cfg, "ps0")
+
+    class Server:  # every reply stays "in flight" for 50 ms
+        async def send(self, peer, msg, track=False):
+            return _SlowTracker(0.05)
+
+    node.server = Server()
+    key = next(iter(node.core.chunks))
+    g = torch.ones_like(node.core.chunks[key].param)
+    node._replies_in_flight.append(_SlowTracker(0.05))  # an earlier reply references the chunk
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    applied = {}
+    apply = node.core.apply
+
+    def record(worker, keys, grads, samples):
+        applied[worker] = loop.time() - t0
+        return apply(worker, keys, grads, samples)
+
+    node.core.apply = record
+    await asyncio.gather(*(node.on_push(Push(sender=w, rid=1, keys=(key,), grads=(g,)), b"peer")
+                           for w in ("cpu0", "gpu0")))
+    # neither update ran while the earlier reply was in flight; the second also waited for the
+    # first one's reply (handing the list to the first caller let the second through at once)
+    assert min(applied.values()) >= 0.045
+    assert max(applied.values()) >= 0.09

@@ -341,7 +341,70 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "limits.frame_bytes", "an integer >= 64")
     if cfg.job.log_format not in ("auto", "console", "json"):
         raise ConfigError(p, "job.log_format", "one of ['auto', 'console', 'json']")
+    _validate_ranges(cfg)
     _validate_placement(cfg)
+    _validate_with_the_real_code(cfg)
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Numbers that only make sense in a range, and addresses a socket can bind."""
+    p = cfg.path
+    positive = {"limits.max_frames": cfg.limits.max_frames, "limits.max_message_bytes": cfg.limits.max_message_bytes,
+                "limits.max_rank": cfg.limits.max_rank, "limits.request_timeout_s": cfg.limits.request_timeout_s,
+                "job.heartbeat_interval_s": cfg.job.heartbeat_interval_s, "job.join_timeout_s": cfg.job.join_timeout_s,
+                "train.max_seconds": cfg.train.max_seconds}
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(p, key, f"a number > 0, got {value!r}")
+    if not 0.0 < cfg.data.test_fraction < 1.0:
+        raise ConfigError(p, "data.test_fraction", f"a number in (0, 1), got {cfg.data.test_fraction!r}")
+    betas = cfg.optimizer.betas
+    if not (len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                    for b in betas)):
+        raise ConfigError(p, "optimizer.betas", f"two numbers in [0, 1), got {betas!r}")
+    for i, n in enumerate(cfg.nodes):
+        for key in ("bind", "advertise"):
+            address = getattr(n, key)
+            if address.startswith("tcp://"):
+                host, _, port = address[len("tcp://"):].rpartition(":")
+                if not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+                    raise ConfigError(p, f"nodes[{i}].{key}", f"tcp://HOST:PORT with a port in 0-65535 or *, "
+                                                              f"got {address!r}")
+
+
+def _validate_with_the_real_code(cfg: Config) -> None:
+    """What only the code that will use a value can judge, asked now, so that a bad value fails
+    here with file and key instead of in a daemon with a traceback: the model is built on the
+    meta device (no memory, no init), the sweep's fused optimizer is built over a dummy
+    parameter, the batch-size policy from its knobs."""
+    import torch
+
+    from hmp.models import MODELS
+
+    p, m = cfg.path, cfg.model
+    factory = MODELS.get(m.name)
+    if factory is None:
+        raise ConfigError(p, "model.name", f"one of {sorted(MODELS)}, got {m.name!r}")
+    try:
+        with torch.device("meta"):
+            factory(**m.args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(p, "model.args", f"arguments that {m.name}() accepts ({exc})") from None
+    if cfg.sweep.members:
+        from hmp.kernels.fused.optim import make_optimizer
+
+        dummy = [torch.nn.Parameter(torch.zeros(len(cfg.sweep.members), 1))]
+        try:
+            make_optimizer(cfg.sweep.optimizer, dummy, cfg.sweep.members)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(p, "sweep.members", str(exc)) from None
+    if cfg.train.policy == "static" and cfg.train.policy_args:
+        raise ConfigError(p, "train.policy_args", "no knobs for train.policy = \"static\" (it keeps each "
+                                                  f"worker's configured batch), got {cfg.train.policy_args!r}")
+    if cfg.train.policy in ("sync", "hogbatch", "adaptive"):
+        from hmp.sched.hogbatch_adapter import HogbatchAdapter
+
+        HogbatchAdapter(cfg)  # raises ConfigError naming train.policy_args
 
 
 def worker_counts(cfg: Config) -> dict[str, int]:
@@ -425,6 +488,12 @@ def env_overrides(cfg: Config, environ: typing.Mapping[str, str] | None = None) 
             except ValueError:
                 raise ConfigError(f"${var}", f"{section}.{key}", f"{_type_name(typ)}, got {environ[var]!r}") from None
             cfg = cfg.replace(**{section: dataclasses.replace(sec, **{key: value})})
+    used = [f"${var}" for var in ENV_OVERRIDES if var in environ]
+    if used:
+        try:
+            validate(cfg)  # an override is checked like the file's own value
+        except ConfigError as exc:
+            raise ConfigError(f"{exc.path} with {', '.join(used)}", exc.key, exc.expected) from None
     return cfg
 
 

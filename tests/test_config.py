@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,49 @@ def test_placement_message_overhead_default_is_the_planners():
     assert cfg.placement.message_overhead_s == DEFAULT_MESSAGE_OVERHEAD_S
     spec = parse_spec(placement_table(cfg, 1e5), counts={"cpu": 2, "accel": 1})
     assert spec.micro_batches == cfg.placement.micro_batches and spec.reps == cfg.placement.profile_repeats
+
+
+def _mutated(tmp_path, edit) -> Path:
+    from .cluster_util import write_config
+
+    base = write_config(tmp_path)
+    path = tmp_path / "bad.toml"
+    path.write_text(edit(base.read_text()))
+    return path
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda t: t.replace('name = "digits_mlp"', 'name = "nope"'), "model.name"),
+    (lambda t: t.replace('name = "digits_mlp"', 'name = "digits_mlp"\nargs = { hidden = "big" }'), "model.args"),
+    (lambda t: t.replace('name = "digits_mlp"', 'name = "digits_mlp"\nargs = { wide = 3 }'), "model.args"),
+    (lambda t: t.replace("lr = 0.05", 'lr = 0.05\nbetas = ["a", "b"]'), "optimizer.betas"),
+    (lambda t: t + "\n[limits]\nmax_frames = -1\n", "limits.max_frames"),
+    (lambda t: t + "\n[limits]\nmax_message_bytes = 0\n", "limits.max_message_bytes"),
+    (lambda t: t + "\n[limits]\nrequest_timeout_s = -1\n", "limits.request_timeout_s"),
+    (lambda t: t.replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 0"), "job.heartbeat_interval_s"),
+    (lambda t: t.replace('kind = "digits"', 'kind = "digits"\ntest_fraction = 2.0'), "data.test_fraction"),
+    (lambda t: re.sub(r'bind = "tcp://127.0.0.1:\d+"', 'bind = "tcp://127.0.0.1:notaport"', t, count=1),
+     "nodes[0].bind"),
+    (lambda t: t.replace("[train]", "[train]\npolicy_args = { bogus = 1 }"), "train.policy_args"),
+    (lambda t: t.replace('policy = "static"', 'policy = "adaptive"').replace(
+        "[train]", "[train]\npolicy_args = { bogus = 1 }"), "train.policy_args"),
+    (lambda t: t + '\n[sweep]\nmembers = [{lr = "fast"}]\n', "sweep.members"),
+])
+def test_bad_values_are_config_errors_naming_file_and_key(tmp_path, edit, key):
+    """Values the code would refuse only at run time (in a daemon, with a traceback) are refused
+    at load time instead, naming the file and the key."""
+    path = _mutated(tmp_path, edit)
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert info.value.key == key and info.value.path == str(path)
+
+
+def test_environment_overrides_are_validated_and_named(tmp_path):
+    from .cluster_util import write_config
+
+    cfg = load(write_config(tmp_path))
+    for var, value, key in (("HMP_MAX_SECONDS", "-5", "train.max_seconds"),
+                            ("HMP_LOG_FORMAT", "bogus", "job.log_format")):
+        with pytest.raises(ConfigError) as info:
+            env_overrides(cfg, {var: value})
+        assert info.value.key == key and f"${var}" in info.value.path

@@ -67,3 +67,20 @@ async def test_concurrent_pushes_both_wait_for_replies_still_being_sent(tmp_path
     # first one's reply (handing the list to the first caller let the second through at once)
     assert min(applied.values()) >= 0.045
     assert max(applied.values()) >= 0.09
+
+
+async def test_scheduler_refuses_reports_and_work_requests_from_non_workers(tmp_path):
+    """A shard's id (or any non-worker) cannot report progress or take work units."""
+    import pytest
+
+    from hmp.errors import RequestError
+    from hmp.messages import Report, Work
+    from hmp.nodes.scheduler import SchedulerNode
+
+    node = SchedulerNode(load(write_config(tmp_path)), "scheduler")
+    for msg in (Report(sender="ps0", metrics={"samples": 5.0}, done=True), Work(sender="ps0", count=16)):
+        handler = node.on_report if isinstance(msg, Report) else node.on_work
+        with pytest.raises(RequestError) as info:
+            await handler(msg, b"peer")
+        assert info.value.code == "bad_role"
+    assert "ps0" not in node.report.workers

@@ -78,6 +78,13 @@ class SchedulerNode(Node):
         m.last_seen = time.monotonic()
         return m
 
+    def _worker(self, msg: Message) -> Member:
+        """The sending member, which must be a worker: reports and work units are theirs alone."""
+        m = self._member(msg)
+        if m.role not in WORKER_ROLES:
+            raise RequestError(f"{msg.kind.value!r} is for workers; {m.id!r} is a {m.role}", "bad_role")
+        return m
+
     # ---------------------------------------------------------------- handlers
     async def on_join(self, msg: Join, peer: bytes) -> Message:
         m = self._member(msg)
@@ -114,7 +121,7 @@ class SchedulerNode(Node):
         return Ack()
 
     async def on_report(self, msg: Report, peer: bytes) -> Message:
-        m = self._member(msg)
+        m = self._worker(msg)
         now = self.elapsed()
         self.report.add_sample(m.id, now, msg.metrics)
         if self.placement is not None:
@@ -147,7 +154,7 @@ class SchedulerNode(Node):
 
     async def on_work(self, msg: Work, peer: bytes) -> Message:
         """Hand out the next ``msg.count`` examples of the current epoch to whoever asks first."""
-        m = self._member(msg)
+        m = self._worker(msg)
         if msg.count < 1:
             raise RequestError(f"work count must be >= 1, got {msg.count}", "bad_request")
         n = len(self.dataset.y_train)

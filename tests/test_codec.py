@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hmp.errors import ProtocolError
 from hmp.messages import (MESSAGE_TYPES, Ack, Assign, Error, Heartbeat, Join, Kind, Params, Pull, Push, Report,
                           Tensors, Welcome, Work)
-from hmp.transport.codec import DTYPES, Limits, decode, encode
+from hmp.transport.codec import DTYPES, Limits, decode, encode, frame_error_rid
 
 SHAPES = [(), (0,), (3,), (2, 3), (4, 0, 2), (2, 1, 3, 1, 2), (1,) * 8]
 
@@ -269,3 +269,31 @@ def test_bad_field_values_name_their_path(kind, fields, match):
     with pytest.raises(ProtocolError, match=match) as info:
         decode([_header(kind=kind, fields=fields)])
     assert info.value.code == "bad_field"
+
+
+def _header(**kw) -> bytes:
+    h = {"version": 1, "kind": "pull", "sender": "w", "rid": 7, "fields": {"keys": [0]}, "tensors": []}
+    h.update(kw)
+    return msgpack.packb(h)
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([_header(sender="x" * 70000)], "too_large"),  # over max_string
+    ([_header(fields={1: 2})], "malformed"),  # an integer map key
+])
+def test_header_errors_get_their_code_and_keep_the_rid(frames, code):
+    """What breaks the full header decode still leaves the rid readable for the error reply."""
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code == code
+    assert frame_error_rid(frames) == 7
+
+
+def test_empty_tensor_with_overflowing_dimensions_is_too_large():
+    header = msgpack.packb({"version": 1, "kind": "push", "sender": "w", "rid": 9,
+                            "fields": {"keys": [0], "samples": 0, "version": 0},
+                            "tensors": [{"field": "grads", "dtype": "float32", "shape": [0, 2**62, 2**62],
+                                         "frames": 0}]})
+    with pytest.raises(ProtocolError) as info:
+        decode([header])
+    assert info.value.code == "too_large" and "shape" in str(info.value)

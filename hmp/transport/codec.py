@@ -316,7 +316,12 @@ def decode_header(frame0: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any
                                  max_bin_len=limits.max_header_bytes, max_str_len=limits.max_string,
                                  max_array_len=limits.max_tensors * 8 + 1024, max_map_len=limits.max_tensors + 1024)
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, FormatError, ...)
-        raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+        text = str(exc)
+        if "exceeds max" in text:  # a string, binary, array or map over the header's limits
+            raise ProtocolError(f"header: {text}", "too_large") from None
+        if "not allowed for map key" in text:
+            raise ProtocolError(f"header: map keys must be strings ({text})") from None
+        raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}: {text}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
     if header.keys() != HEADER_KEYS:
@@ -426,6 +431,10 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
         if not isinstance(nframes, int) or isinstance(nframes, bool) or nframes < 0:
             raise ProtocolError(f"{where}: frames must be a non-negative integer")
         nbytes = math.prod(shape) * _ITEMSIZE[wire_dtype]
+        if nbytes == 0 and math.prod(max(d, 1) for d in shape) * _ITEMSIZE[wire_dtype] > limits.max_message_bytes:
+            # empty, but its other dimensions would overflow torch's stride arithmetic
+            raise ProtocolError(f"{where}: shape {shape} exceeds the limit of {limits.max_message_bytes} bytes "
+                                "even with its zero dimension taken as 1", "too_large")
         total += nbytes
         if total > limits.max_message_bytes:
             raise ProtocolError(f"tensor bytes exceed the limit of {limits.max_message_bytes}", "too_large")
@@ -455,10 +464,20 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
 
 def frame_error_rid(frames: Sequence[Any]) -> int:
     """Best-effort request id of a message that failed to decode (0 if even that is unreadable)."""
+    # Read the top-level map key by key and skip every value but rid's, so that what broke the
+    # full decode (an over-long string, an integer map key, a bad tensor table) elsewhere in the
+    # header does not hide the rid the error reply should carry.
     try:
-        header = msgpack.unpackb(_buffer(frames[0]), raw=False, max_str_len=1024, max_bin_len=1024,
-                                 max_array_len=1024, max_map_len=64)
-        rid = header.get("rid", 0) if isinstance(header, dict) else 0
-        return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_RID else 0
+        buf = _buffer(frames[0])
+        n = max(len(buf), 1)
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=n, max_str_len=n,
+                                    max_bin_len=n, max_array_len=n, max_map_len=n)
+        unpacker.feed(buf)
+        for _ in range(min(unpacker.read_map_header(), 64)):
+            if unpacker.unpack() == "rid":
+                rid = unpacker.unpack()
+                return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= MAX_RID else 0
+            unpacker.skip()
+        return 0
     except Exception:
         return 0

@@ -96,6 +96,8 @@ class PSConfig:
     chunk_bytes: int = _field(1 << 20, "parameter chunk size (bytes); chunks are spread over the shards")
     checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: only at shutdown)")
     checkpoint_dir: str = _field("", "where shards write checkpoints; empty: <report_dir>/checkpoints")
+    reject_nonfinite: bool = _field(True, "shards refuse pushes holding NaN or infinite values (error "
+                                          "non_finite) instead of applying them; costs one pass over each push")
 
 
 @dataclasses.dataclass(frozen=True)

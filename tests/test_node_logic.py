@@ -84,3 +84,27 @@ async def test_scheduler_refuses_reports_and_work_requests_from_non_workers(tmp_
             await handler(msg, b"peer")
         assert info.value.code == "bad_role"
     assert "ps0" not in node.report.workers
+
+
+async def test_a_push_with_nan_is_refused_and_changes_nothing(tmp_path):
+    import pytest
+
+    from hmp.errors import RequestError
+
+    node = PSShardNode(load(write_config(tmp_path)), "ps0")
+
+    class Server:
+        async def send(self, peer, msg, track=False):
+            return None
+
+    node.server = Server()
+    keys = sorted(node.core.chunks)[:2]
+    before = {k: node.core.chunks[k].param.clone() for k in keys}
+    grads = [torch.ones_like(node.core.chunks[k].param) for k in keys]
+    grads[1][3] = float("nan")
+    with pytest.raises(RequestError) as info:
+        await node.on_push(Push(sender="cpu0", rid=1, keys=tuple(keys), grads=tuple(grads)), b"peer")
+    assert info.value.code == "non_finite" and f"chunk {keys[1]}" in str(info.value)
+    for k in keys:  # not even the finite first chunk was applied
+        assert torch.equal(node.core.chunks[k].param, before[k])
+    assert node.core.version == 0

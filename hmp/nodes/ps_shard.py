@@ -96,6 +96,8 @@ class PSShardNode(Node):
     async def on_push(self, msg: Push, peer: bytes) -> None:
         try:
             self.core.check(msg.keys, msg.grads, "push")
+            if self.cfg.ps.reject_nonfinite:
+                self.core.check_finite(msg.keys, msg.grads, "push")
         except RequestError:
             self.stats["rejected"] += 1
             raise
@@ -147,6 +149,8 @@ class PSShardNode(Node):
 
     async def on_init(self, msg: Init, peer: bytes) -> Message:
         self.core.check(msg.keys, msg.values, "init")
+        if self.cfg.ps.reject_nonfinite:
+            self.core.check_finite(msg.keys, msg.values, "init")
         await self._before_mutation()
         self.core.set_values(msg.keys, msg.values)
         return Ack(detail=f"{len(msg.keys)} chunks set")

@@ -79,6 +79,16 @@ class ShardCore:
                 raise RequestError(f"{what}: chunk {k} has shape [{c.param.numel()}], got {list(t.shape)}",
                                    "bad_shape")
 
+    @staticmethod
+    def check_finite(keys: Sequence[int], tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Refuse NaN or infinite values: applied, one would poison its chunk for every worker.
+        One pass over the data (``[ps] reject_nonfinite`` turns it off)."""
+        for k, t in zip(keys, tensors):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise RequestError(f"{what}: chunk {k} has {bad} NaN or infinite value(s); nothing was applied",
+                                   "non_finite")
+
     def check_keys(self, keys: Iterable[int]) -> None:
         for k in keys:
             if k not in self.chunks:

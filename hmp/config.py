@@ -97,7 +97,7 @@ class PSConfig:
     checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: only at shutdown)")
     checkpoint_dir: str = _field("", "where shards write checkpoints; empty: <report_dir>/checkpoints")
     reject_nonfinite: bool = _field(True, "shards refuse pushes holding NaN or infinite values (error "
-                                          "non_finite) instead of applying them; costs one pass over each push")
+                                          "non_finite) instead of applying them; costs one sum over each push")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,9 +82,15 @@ class ShardCore:
     @staticmethod
     def check_finite(keys: Sequence[int], tensors: Sequence[torch.Tensor], what: str) -> None:
         """Refuse NaN or infinite values: applied, one would poison its chunk for every worker.
-        One pass over the data (``[ps] reject_nonfinite`` turns it off)."""
+
+        The test is the chunk's sum, one fast reduction (a NaN or an infinity makes the sum NaN
+        or infinite, and a sum of finite values is never NaN); only a non-finite sum, which a
+        sum overflowing float range can also give, pays for the exact element-wise check
+        (``torch.isfinite(t).all()`` is ~20x slower). ``[ps] reject_nonfinite`` turns it off."""
         for k, t in zip(keys, tensors):
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not t.is_floating_point() or bool(torch.isfinite(t.sum())):
+                continue
+            if not bool(torch.isfinite(t).all()):
                 bad = int((~torch.isfinite(t)).sum())
                 raise RequestError(f"{what}: chunk {k} has {bad} NaN or infinite value(s); nothing was applied",
                                    "non_finite")

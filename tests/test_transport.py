@@ -339,3 +339,21 @@ async def test_close_tells_the_sender_of_a_cancelled_handler(tcp_address):
         with pytest.raises(RemoteError) as info:
             await asyncio.wait_for(pending, 5)
         assert info.value.code == "shutting_down" and loop.time() - t0 < 5
+
+
+async def test_one_way_messages_get_no_reply(tcp_address):
+    """rid 0 is a one-way message (protocol.md): served, never answered."""
+    async with Server(tcp_address, {Kind.TENSORS: echo}) as srv:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(srv.address)
+        try:
+            await sock.send_multipart(encode(Tensors(name="one-way", tensors=()), rid=0, sender="raw"))
+            await sock.send_multipart(encode(Tensors(name="request", tensors=()), rid=5, sender="raw"))
+            reply = decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+            assert reply.rid == 5 and reply.name == "request"
+            assert await sock.poll(200) == 0  # and nothing else comes
+        finally:
+            sock.close()
+            ctx.term()

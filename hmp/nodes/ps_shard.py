@@ -88,6 +88,8 @@ class PSShardNode(Node):
 
     async def _reply(self, peer: bytes, rid: int, keys: tuple[int, ...]) -> None:
         assert self.server is not None
+        if rid == 0:  # a one-way push (protocol.md): applied, not answered
+            return
         msg = Params(sender=self.id, rid=rid, keys=keys, values=self.core.values(keys), version=self.core.version)
         tracker = await self.server.send(peer, msg, track=True)
         if tracker is not None and not tracker.done:

@@ -410,7 +410,7 @@ class Server:
             self.log.exception("handler_failed", kind=msg.kind.value)
             await self._send_error(peer, msg.rid, "internal", f"{exc.__class__.__name__}: {exc}")
             return
-        if reply is not None:
+        if reply is not None and msg.rid != 0:  # rid 0: a one-way message, nobody waits for a reply
             await self._send(peer, reply, False, rid=msg.rid, sender=self.name)
 
     async def send(self, peer: bytes, msg: Message, track: bool = False) -> zmq.MessageTracker | None:

@@ -158,6 +158,8 @@ def _mutated(tmp_path, edit) -> Path:
     (lambda t: t.replace('name = "digits_mlp"', 'name = "nope"'), "model.name"),
     (lambda t: t.replace('name = "digits_mlp"', 'name = "digits_mlp"\nargs = { hidden = "big" }'), "model.args"),
     (lambda t: t.replace('name = "digits_mlp"', 'name = "digits_mlp"\nargs = { wide = 3 }'), "model.args"),
+    (lambda t: t.replace('name = "digits_mlp"', 'name = "digits_mlp"\nargs = { hidden = [-1] }'), "model.args"),
+    (lambda t: t + '\n[sweep]\nmembers = [{lr = -1.0}]\n', "sweep.members"),
     (lambda t: t.replace("lr = 0.05", 'lr = 0.05\nbetas = ["a", "b"]'), "optimizer.betas"),
     (lambda t: t + "\n[limits]\nmax_frames = -1\n", "limits.max_frames"),
     (lambda t: t + "\n[limits]\nmax_message_bytes = 0\n", "limits.max_message_bytes"),

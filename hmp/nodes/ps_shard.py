@@ -19,7 +19,6 @@ from hmp.messages import Ack, Init, Kind, Leave, Message, Params, Pull, Push
 from hmp.nodes.base import Node
 from hmp.ps.plan import ModelPlan
 from hmp.ps.shard_core import ShardCore
-from hmp.transport.endpoint import wait_sent
 
 
 def optimizer_of(cfg: Config) -> tuple[str, dict[str, Any]]:
@@ -60,9 +59,16 @@ class PSShardNode(Node):
         self.log.info("chunks_owned", chunks=len(initial), bytes=sum(t.numel() * t.element_size() for t in initial.values()))
         self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
         self._round_done: asyncio.Future | None = None
-        self._replies_in_flight: list = []
+        self._replies_in_flight: list = []  # (tracker, give-up time) of replies libzmq still holds
+        self._sending = 0  # replies being handed to libzmq right now
+        self._updates_waiting = 0  # updates waiting in _before_mutation
+        self._no_update_waiting = asyncio.Event()
+        self._no_update_waiting.set()
         self._last_checkpoint = 0
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0}
+        # A sweep's members are independent: one diverging member's NaN stays in its own slice of
+        # every chunk, and refusing the push would stop the others too (its report shows it).
+        self.check_finite = cfg.ps.reject_nonfinite and not cfg.sweep.members
 
     def handlers(self):
         return {**super().handlers(), Kind.PUSH: self.on_push, Kind.PULL: self.on_pull, Kind.INIT: self.on_init,
@@ -75,30 +81,63 @@ class PSShardNode(Node):
         return st
 
     async def _before_mutation(self) -> None:
-        # Replies reference the chunk tensors (zero-copy); wait until libzmq has sent them. The
-        # list stays shared until every send is done: a second mutation arriving meanwhile must
-        # wait for the same replies (handing the list to the first caller let it through early),
-        # and so must replies queued while this one waited.
-        while self._replies_in_flight:
-            first = self._replies_in_flight[0]
-            try:
-                await wait_sent(first)
-            finally:  # a send that timed out is dropped too: it must not hold up every later update
-                self._replies_in_flight = [t for t in self._replies_in_flight if t is not first and not t.done]
+        """Wait until no reply references the chunks' current values any more.
+
+        Replies send the chunk tensors themselves (zero-copy), so a chunk must not change while
+        libzmq still holds a reply's frames: those already handed over (``track=True``
+        trackers) and those being handed over (``_sending``). Every mutation waits on the same
+        shared list (a second concurrent update must wait for the same replies), and while an
+        update waits, new replies wait for it (``_reply``): a steady stream of pulls cannot hold
+        an update back. A reply libzmq has not sent after ``request_timeout_s`` (a peer that
+        stopped reading) is given up with a warning rather than failing the update.
+        """
+        if not self._replies_in_flight and not self._sending:
+            return
+        loop = asyncio.get_running_loop()
+        self._updates_waiting += 1
+        self._no_update_waiting.clear()
+        try:
+            while True:
+                now, keep = loop.time(), []
+                for tracker, give_up_at in self._replies_in_flight:
+                    if tracker.done:
+                        continue
+                    if now > give_up_at:
+                        self.log.warning("reply_send_stuck", waited_s=self.cfg.limits.request_timeout_s,
+                                         effect="the reply may carry values of the next update")
+                        continue
+                    keep.append((tracker, give_up_at))
+                self._replies_in_flight = keep
+                if not keep and not self._sending:
+                    return
+                await asyncio.sleep(0.0005)
+        finally:
+            self._updates_waiting -= 1
+            if not self._updates_waiting:
+                self._no_update_waiting.set()
 
     async def _reply(self, peer: bytes, rid: int, keys: tuple[int, ...]) -> None:
         assert self.server is not None
         if rid == 0:  # a one-way push (protocol.md): applied, not answered
             return
-        msg = Params(sender=self.id, rid=rid, keys=keys, values=self.core.values(keys), version=self.core.version)
-        tracker = await self.server.send(peer, msg, track=True)
-        if tracker is not None and not tracker.done:
-            self._replies_in_flight.append(tracker)
+        while self._updates_waiting:  # an update waits for in-flight replies: it goes first
+            await self._no_update_waiting.wait()
+        # From here to the tracker's registration this reply counts as being sent: an update
+        # starting meanwhile (the send may wait for room) waits for it.
+        self._sending += 1
+        try:
+            msg = Params(sender=self.id, rid=rid, keys=keys, values=self.core.values(keys), version=self.core.version)
+            tracker = await self.server.send(peer, msg, track=True)
+            if tracker is not None and not tracker.done:
+                give_up_at = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
+                self._replies_in_flight.append((tracker, give_up_at))
+        finally:
+            self._sending -= 1
 
     async def on_push(self, msg: Push, peer: bytes) -> None:
         try:
             self.core.check(msg.keys, msg.grads, "push")
-            if self.cfg.ps.reject_nonfinite:
+            if self.check_finite:
                 self.core.check_finite(msg.keys, msg.grads, "push")
         except RequestError:
             self.stats["rejected"] += 1
@@ -151,7 +190,7 @@ class PSShardNode(Node):
 
     async def on_init(self, msg: Init, peer: bytes) -> Message:
         self.core.check(msg.keys, msg.values, "init")
-        if self.cfg.ps.reject_nonfinite:
+        if self.check_finite:
             self.core.check_finite(msg.keys, msg.values, "init")
         await self._before_mutation()
         self.core.set_values(msg.keys, msg.values)

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from hmp.client import PSClient, evaluate, evaluate_sweep
 from hmp.config import Config
 from hmp.jobdata import load_dataset_from_config
-from hmp.errors import HmpError
+from hmp.errors import HmpError, RemoteError
 from hmp.messages import Assign, Report, Work
 from hmp.nodes.base import Node
 from hmp.ps.plan import ModelPlan
@@ -87,6 +87,8 @@ class WorkerNode(Node):
         rather than wait out the timeout. Asynchronous pushes never wait on other workers and
         go straight through (no extra tasks on the hot path).
         """
+        if self.stopping.is_set():
+            return False
         if self.cfg.train.consistency == "async":
             await ps.push(samples=samples)
             return True
@@ -101,6 +103,12 @@ class WorkerNode(Node):
             await asyncio.gather(push, stop, return_exceptions=True)
         if push.cancelled():
             self.log.info("push_abandoned", reason="stopping")
+            return False
+        exc = push.exception()
+        if isinstance(exc, RemoteError) and exc.code == "shutting_down":
+            # The shard closed before the scheduler's shutdown reached us: the job is over.
+            self.log.info("push_abandoned", reason="shard shutting down")
+            self.stop_requested = True
             return False
         push.result()  # raises what the push raised
         return True
@@ -263,6 +271,8 @@ class WorkerNode(Node):
         x, y = data.x_train, data.y_train
 
         async def push_pending() -> None:
+            if self.stopping.is_set() or self.stop_requested:
+                return  # an abandoned push may still hold grad_buf: leave it alone
             drained = acc.drain()
             if drained.updates == 0:
                 return

@@ -13,6 +13,7 @@ path) with member b's hyper-parameters, up to float32 rounding.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -451,10 +452,22 @@ OPTIMIZERS: dict[str, type[_FusedOptimizer]] = {"sgd": FusedSGD, "adam": FusedAd
 """Fused optimizers by the name a settings file uses."""
 
 
-def make_optimizer(name: str, params: Iterable, settings: Sequence[dict]) -> _FusedOptimizer:
-    """The fused optimizer ``name`` over ``params`` with member b's hyper-parameters taken from
-    ``settings[b]`` (keys as in torch: ``lr``, ``momentum``, ``betas``, ...; a missing key takes
-    torch's default). Shared options (``nesterov``, ``amsgrad``, ``maximize``) must agree."""
+def check_settings(name: str, settings: Sequence[dict]) -> None:
+    """Raise ``ValueError`` if ``make_optimizer(name, ..., settings)`` would refuse the settings
+    (unknown optimizer or key, a shared option that differs, a value of the wrong type or out of
+    range), without building an optimizer: ``torch.optim.Optimizer`` imports ``torch._dynamo``
+    (~1 s), too slow for validating a config file in every daemon."""
+    cls, kwargs = _optimizer_kwargs(name, settings)
+    params = inspect.signature(cls.__init__).parameters.values()
+    group = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    group.update(kwargs)
+    for key in cls._per_member_keys:
+        group[key] = _per_member(key, group[key], len(settings), pair=key in cls._pair_keys)
+    cls._check_group(cls.__new__(cls), group)  # the same range checks add_param_group runs
+
+
+def _optimizer_kwargs(name: str, settings: Sequence[dict]) -> tuple[type[_FusedOptimizer], dict]:
+    """The optimizer class and its keyword arguments for per-member ``settings``."""
     try:
         cls = OPTIMIZERS[name.lower()]
     except (KeyError, AttributeError):
@@ -462,8 +475,6 @@ def make_optimizer(name: str, params: Iterable, settings: Sequence[dict]) -> _Fu
     B = len(settings)
     if B < 1:
         raise ValueError("settings must hold one dict per member, got none")
-    import inspect
-
     sig = inspect.signature(cls.__init__)
     allowed = [k for k in sig.parameters if k not in ("self", "params", "B")]
     kwargs: dict = {}
@@ -478,4 +489,12 @@ def make_optimizer(name: str, params: Iterable, settings: Sequence[dict]) -> _Fu
             raise ValueError(f"{key} must be the same in every member (it is not per-member), got {values}")
         else:
             kwargs[key] = values[0]
-    return cls(params, B=B, **kwargs)
+    return cls, kwargs
+
+
+def make_optimizer(name: str, params: Iterable, settings: Sequence[dict]) -> _FusedOptimizer:
+    """The fused optimizer ``name`` over ``params`` with member b's hyper-parameters taken from
+    ``settings[b]`` (keys as in torch: ``lr``, ``momentum``, ``betas``, ...; a missing key takes
+    torch's default). Shared options (``nesterov``, ``amsgrad``, ``maximize``) must agree."""
+    cls, kwargs = _optimizer_kwargs(name, settings)
+    return cls(params, B=len(settings), **kwargs)

@@ -178,3 +178,25 @@ def test_sweep_jobs_do_not_refuse_a_diverged_members_nan(tmp_path):
     path.write_text(path.read_text() + '\n[sweep]\nmembers = [{lr = 0.05}, {lr = 1e6}]\n')
     assert not PSShardNode(load(path), "ps0").check_finite
     assert PSShardNode(load(write_config(tmp_path)), "ps0").check_finite
+
+
+async def test_only_the_newest_held_join_of_a_worker_is_answered(tmp_path):
+    """A worker re-sends its join while the shards are not ready; when they are, only the newest
+    join is admitted (once), the older one is refused."""
+    import pytest
+
+    from hmp.errors import RequestError
+    from hmp.messages import Join, Welcome
+    from hmp.nodes.scheduler import SchedulerNode
+
+    node = SchedulerNode(load(write_config(tmp_path)), "scheduler")
+    first = asyncio.ensure_future(node.on_join(Join(sender="cpu0", role="cpu_worker", address="a", pid=1), b"p"))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(node.on_join(Join(sender="cpu0", role="cpu_worker", address="a", pid=1), b"p"))
+    await asyncio.sleep(0.01)
+    for shard in ("ps0", "ps1"):
+        node.members[shard].address, node.members[shard].state = f"tcp://{shard}", "joined"
+    node.shards_ready.set()
+    with pytest.raises(RequestError):
+        await first
+    assert isinstance(await second, Welcome)

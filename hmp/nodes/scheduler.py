@@ -48,6 +48,7 @@ class SchedulerNode(Node):
         self.workers_done = asyncio.Event()
         self.job_over = asyncio.Event()
         self.job_failed: str | None = None
+        self._join_generation: dict[str, int] = {}  # worker -> joins received (see on_join)
         self.t0: float | None = None
         self.stop_reason = ""
         self.report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
@@ -99,7 +100,14 @@ class SchedulerNode(Node):
         info: dict[str, Any] = {"shards": [[s.id, self.members[s.id].address] for s in self.cfg.shards]
                                 if self.shards_ready.is_set() else []}
         if m.role in WORKER_ROLES:
+            # Held until every shard has joined. The worker re-sends its join every few seconds
+            # meanwhile; only the newest one of a worker is answered, so that held joins do not
+            # all wake at once (each would re-run placement's membership hook).
+            generation = self._join_generation[m.id] = self._join_generation.get(m.id, 0) + 1
             await asyncio.wait_for(self.shards_ready.wait(), self.cfg.job.join_timeout_s)
+            if self._join_generation[m.id] != generation:
+                raise RequestError(f"{m.id} joined again since this join; the newest join is answered",
+                                   "bad_request")
             ids = [w.id for w in self.cfg.workers]
             info = {"shards": [[s.id, self.members[s.id].address] for s in self.cfg.shards],
                     "worker_index": ids.index(m.id), "num_workers": len(ids),

@@ -364,7 +364,8 @@ def _validate_ranges(cfg: Config) -> None:
     # test arrays (then the fraction is unused), so there only the range is checked.
     always_split = d.kind in ("digits", "click") or (d.kind == "svmlight" and not d.test_path)
     if not 0.0 <= d.test_fraction < 1.0 or (always_split and d.test_fraction == 0.0):
-        raise ConfigError(p, "data.test_fraction", f"a number in (0, 1), got {d.test_fraction!r}")
+        allowed = "(0, 1)" if always_split else "[0, 1) (0: the data file must hold its own test split)"
+        raise ConfigError(p, "data.test_fraction", f"a number in {allowed}, got {d.test_fraction!r}")
     betas = cfg.optimizer.betas
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                     for b in betas)):

@@ -200,3 +200,80 @@ async def test_only_the_newest_held_join_of_a_worker_is_answered(tmp_path):
     with pytest.raises(RequestError):
         await first
     assert isinstance(await second, Welcome)
+
+
+async def test_a_reply_stuck_before_libzmq_takes_it_delays_updates_only_until_the_timeout(tmp_path):
+    """A reply waiting for room in a peer's full pipe counts as being sent, but only for
+    request_timeout_s: then the update goes on, and so do other replies."""
+    from hmp.messages import Pull
+
+    path = write_config(tmp_path)
+    path.write_text(path.read_text() + "\n[limits]\nrequest_timeout_s = 0.2\n")
+    node = PSShardNode(load(path), "ps0")
+    never = asyncio.Event()
+
+    class Server:
+        async def send(self, peer, msg, track=False):
+            if msg.rid == 99:  # this peer stopped reading
+                await never.wait()
+            return None
+
+    node.server = Server()
+    key = next(iter(node.core.chunks))
+    stuck = asyncio.ensure_future(node.on_pull(Pull(sender="gpu0", rid=99, keys=(key,)), b"slow"))
+    await asyncio.sleep(0.01)
+    g = torch.ones_like(node.core.chunks[key].param)
+    try:
+        await asyncio.wait_for(node.on_push(Push(sender="cpu0", rid=1, keys=(key,), grads=(g,)), b"p"), 2)
+        await asyncio.wait_for(node.on_pull(Pull(sender="cpu0", rid=2, keys=(key,)), b"p"), 2)
+        assert node.core.version == 1
+    finally:
+        stuck.cancel()
+        await asyncio.gather(stuck, return_exceptions=True)
+    assert not node._sending
+
+
+async def test_back_to_back_updates_do_not_starve_replies(tmp_path):
+    """A reply waits only for the updates that were waiting when it came, not for later ones."""
+    from hmp.messages import Pull
+
+    node = PSShardNode(load(write_config(tmp_path)), "ps0")
+
+    class Server:
+        async def send(self, peer, msg, track=False):
+            return _SlowTracker(0.005)
+
+    node.server = Server()
+    key = next(iter(node.core.chunks))
+    g = torch.zeros_like(node.core.chunks[key].param)
+    stop = asyncio.Event()
+
+    async def pusher():
+        while not stop.is_set():
+            await node.on_push(Push(sender="cpu0", rid=1, keys=(key,), grads=(g,)), b"p")
+
+    task = asyncio.ensure_future(pusher())
+    try:
+        await asyncio.sleep(0.02)
+        loop = asyncio.get_running_loop()
+        for _ in range(5):
+            t0 = loop.time()
+            await asyncio.wait_for(node.on_pull(Pull(sender="gpu0", rid=2, keys=(key,)), b"q"), 2)
+            assert loop.time() - t0 < 0.5
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_shutting_down_answer_to_an_async_push_is_a_stop_not_a_failure(tmp_path):
+    from hmp.errors import RemoteError
+    from hmp.nodes.worker import WorkerNode
+
+    node = WorkerNode(load(write_config(tmp_path)), "cpu0")
+
+    class PS:
+        async def push(self, samples):
+            raise RemoteError("shutting_down", "ps0 is shutting down", "ps0")
+
+    assert await node.push_unless_stopped(PS(), 16) is False
+    assert node.stop_requested

@@ -60,10 +60,10 @@ class PSShardNode(Node):
         self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
         self._round_done: asyncio.Future | None = None
         self._replies_in_flight: list = []  # (tracker, give-up time) of replies libzmq still holds
-        self._sending = 0  # replies being handed to libzmq right now
-        self._updates_waiting = 0  # updates waiting in _before_mutation
-        self._no_update_waiting = asyncio.Event()
-        self._no_update_waiting.set()
+        self._sending: dict[object, float] = {}  # replies being handed to libzmq: token -> since when
+        self._updates_begun = 0  # updates that have had to wait in _before_mutation
+        self._updates_done = 0  # ... and have finished waiting
+        self._update_passed = asyncio.Event()  # set (and replaced) each time one finishes waiting
         self._last_checkpoint = 0
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0}
         # A sweep's members are independent: one diverging member's NaN stays in its own slice of
@@ -86,16 +86,17 @@ class PSShardNode(Node):
         Replies send the chunk tensors themselves (zero-copy), so a chunk must not change while
         libzmq still holds a reply's frames: those already handed over (``track=True``
         trackers) and those being handed over (``_sending``). Every mutation waits on the same
-        shared list (a second concurrent update must wait for the same replies), and while an
-        update waits, new replies wait for it (``_reply``): a steady stream of pulls cannot hold
-        an update back. A reply libzmq has not sent after ``request_timeout_s`` (a peer that
-        stopped reading) is given up with a warning rather than failing the update.
+        shared list (a second concurrent update must wait for the same replies), and a reply
+        arriving while updates wait lets those updates go first (``_reply``): a steady stream
+        of pulls cannot hold an update back. A reply not sent after ``request_timeout_s`` (a
+        peer that stopped reading) is given up with a warning rather than failing the update.
         """
         if not self._replies_in_flight and not self._sending:
             return
         loop = asyncio.get_running_loop()
-        self._updates_waiting += 1
-        self._no_update_waiting.clear()
+        limit = self.cfg.limits.request_timeout_s
+        self._updates_begun += 1
+        warned = False
         try:
             while True:
                 now, keep = loop.time(), []
@@ -103,28 +104,37 @@ class PSShardNode(Node):
                     if tracker.done:
                         continue
                     if now > give_up_at:
-                        self.log.warning("reply_send_stuck", waited_s=self.cfg.limits.request_timeout_s,
+                        self.log.warning("reply_send_stuck", waited_s=limit,
                                          effect="the reply may carry values of the next update")
                         continue
                     keep.append((tracker, give_up_at))
                 self._replies_in_flight = keep
-                if not keep and not self._sending:
+                sending = [t for t in self._sending.values() if now - t <= limit]
+                if len(sending) < len(self._sending) and not warned:
+                    warned = True
+                    self.log.warning("reply_hand_over_stuck", waited_s=limit,
+                                     effect="the reply may carry values of the next update")
+                if not keep and not sending:
                     return
                 await asyncio.sleep(0.0005)
         finally:
-            self._updates_waiting -= 1
-            if not self._updates_waiting:
-                self._no_update_waiting.set()
+            self._updates_done += 1
+            passed, self._update_passed = self._update_passed, asyncio.Event()
+            passed.set()
 
     async def _reply(self, peer: bytes, rid: int, keys: tuple[int, ...]) -> None:
         assert self.server is not None
         if rid == 0:  # a one-way push (protocol.md): applied, not answered
             return
-        while self._updates_waiting:  # an update waits for in-flight replies: it goes first
-            await self._no_update_waiting.wait()
+        # Updates already waiting for in-flight replies go first (later ones do not hold this
+        # reply back: it waits for as many updates to pass as were waiting when it came).
+        waiting_for = self._updates_begun
+        while self._updates_done < waiting_for:
+            await self._update_passed.wait()
         # From here to the tracker's registration this reply counts as being sent: an update
         # starting meanwhile (the send may wait for room) waits for it.
-        self._sending += 1
+        token = object()
+        self._sending[token] = asyncio.get_running_loop().time()
         try:
             msg = Params(sender=self.id, rid=rid, keys=keys, values=self.core.values(keys), version=self.core.version)
             tracker = await self.server.send(peer, msg, track=True)
@@ -132,7 +142,7 @@ class PSShardNode(Node):
                 give_up_at = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
                 self._replies_in_flight.append((tracker, give_up_at))
         finally:
-            self._sending -= 1
+            del self._sending[token]
 
     async def on_push(self, msg: Push, peer: bytes) -> None:
         try:

@@ -90,7 +90,14 @@ class WorkerNode(Node):
         if self.stopping.is_set():
             return False
         if self.cfg.train.consistency == "async":
-            await ps.push(samples=samples)
+            try:
+                await ps.push(samples=samples)
+            except RemoteError as exc:
+                if exc.code != "shutting_down":
+                    raise
+                self.log.info("push_abandoned", reason="shard shutting down")
+                self.stop_requested = True  # the job is over: stop, not fail
+                return False
             return True
         push = asyncio.ensure_future(ps.push(samples=samples))
         stop = asyncio.ensure_future(self.stopping.wait())

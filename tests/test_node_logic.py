@@ -1,15 +1,20 @@
-"""Node logic without sockets: the Hogbatch adapter's view of joins, and a PS shard's rule that
-replies still being sent hold back every update of the chunks they reference."""
+"""Node logic without sockets: the Hogbatch adapter's view of joins, a PS shard's rules for replies
+still being sent and for non-finite pushes, the scheduler's role and join checks, a worker's stop."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from hmp.config import load
-from hmp.messages import Push
+from hmp.errors import RemoteError, RequestError
+from hmp.messages import Join, Pull, Push, Report, Welcome, Work
 from hmp.nodes.ps_shard import PSShardNode
+from hmp.nodes.scheduler import SchedulerNode
+from hmp.nodes.worker import WorkerNode
+from hmp.ps.shard_core import ShardCore
 from hmp.sched.batching import make_batch_policy
 
 from .cluster_util import write_config
@@ -39,15 +44,31 @@ class _SlowTracker:
         return asyncio.get_running_loop().time() >= self.until
 
 
+class _FakeServer:
+    """Stands in for a shard's Server: each reply stays "in flight" for ``hold_s`` (None: sent at
+    once); a reply with ``stuck_rid`` never gets room to be handed over."""
+
+    def __init__(self, hold_s: float | None = None, stuck_rid: int | None = None) -> None:
+        self.hold_s, self.stuck_rid = hold_s, stuck_rid
+
+    async def send(self, peer, msg, track=False):
+        if msg.rid == self.stuck_rid:  # this peer stopped reading
+            await asyncio.Event().wait()
+        return None if self.hold_s is None else _SlowTracker(self.hold_s)
+
+
+def _shard(tmp_path, limits: str = "", **server) -> PSShardNode:
+    """Shard ps0 of the test topology, with ``[limits]`` lines added and a fake server."""
+    path = write_config(tmp_path)
+    if limits:
+        path.write_text(path.read_text() + f"\n[limits]\n{limits}\n")
+    node = PSShardNode(load(path), "ps0")
+    node.server = _FakeServer(**server)
+    return node
+
+
 async def test_concurrent_pushes_both_wait_for_replies_still_being_sent(tmp_path):
-    cfg = load(write_config(tmp_path))
-    node = PSShardNode(cfg, "ps0")
-
-    class Server:  # every reply stays "in flight" for 50 ms
-        async def send(self, peer, msg, track=False):
-            return _SlowTracker(0.05)
-
-    node.server = Server()
+    node = _shard(tmp_path, hold_s=0.05)  # every reply stays "in flight" for 50 ms
     key = next(iter(node.core.chunks))
     g = torch.ones_like(node.core.chunks[key].param)
     loop = asyncio.get_running_loop()
@@ -71,12 +92,6 @@ async def test_concurrent_pushes_both_wait_for_replies_still_being_sent(tmp_path
 
 async def test_scheduler_refuses_reports_and_work_requests_from_non_workers(tmp_path):
     """A shard's id (or any non-worker) cannot report progress or take work units."""
-    import pytest
-
-    from hmp.errors import RequestError
-    from hmp.messages import Report, Work
-    from hmp.nodes.scheduler import SchedulerNode
-
     node = SchedulerNode(load(write_config(tmp_path)), "scheduler")
     for msg in (Report(sender="ps0", metrics={"samples": 5.0}, done=True), Work(sender="ps0", count=16)):
         handler = node.on_report if isinstance(msg, Report) else node.on_work
@@ -87,17 +102,7 @@ async def test_scheduler_refuses_reports_and_work_requests_from_non_workers(tmp_
 
 
 async def test_a_push_with_nan_is_refused_and_changes_nothing(tmp_path):
-    import pytest
-
-    from hmp.errors import RequestError
-
-    node = PSShardNode(load(write_config(tmp_path)), "ps0")
-
-    class Server:
-        async def send(self, peer, msg, track=False):
-            return None
-
-    node.server = Server()
+    node = _shard(tmp_path)
     keys = sorted(node.core.chunks)[:2]
     before = {k: node.core.chunks[k].param.clone() for k in keys}
     grads = [torch.ones_like(node.core.chunks[k].param) for k in keys]
@@ -112,8 +117,6 @@ async def test_a_push_with_nan_is_refused_and_changes_nothing(tmp_path):
 
 def test_finite_check_accepts_huge_finite_values_whose_sum_overflows():
     """The fast test (the sum) overflows on huge finite values; the exact check then lets them pass."""
-    from hmp.ps.shard_core import ShardCore
-
     huge = torch.full((8,), 3e38)
     assert not torch.isfinite(huge.sum())
     ShardCore.check_finite([0], [huge], "push")  # no error
@@ -123,15 +126,7 @@ def test_finite_check_accepts_huge_finite_values_whose_sum_overflows():
 async def test_a_stream_of_pulls_cannot_hold_an_update_back(tmp_path):
     """Pulls arriving every 10 ms whose replies take 20 ms to send: an update waiting for the
     in-flight replies goes before the pulls that arrive meanwhile."""
-    from hmp.messages import Pull
-
-    node = PSShardNode(load(write_config(tmp_path)), "ps0")
-
-    class Server:
-        async def send(self, peer, msg, track=False):
-            return _SlowTracker(0.02)
-
-    node.server = Server()
+    node = _shard(tmp_path, hold_s=0.02)
     key = next(iter(node.core.chunks))
     stop = asyncio.Event()
 
@@ -153,15 +148,7 @@ async def test_a_stream_of_pulls_cannot_hold_an_update_back(tmp_path):
 
 
 async def test_a_reply_that_is_never_sent_delays_an_update_only_until_the_timeout(tmp_path):
-    path = write_config(tmp_path)
-    path.write_text(path.read_text() + "\n[limits]\nrequest_timeout_s = 0.2\n")
-    node = PSShardNode(load(path), "ps0")
-
-    class Server:
-        async def send(self, peer, msg, track=False):
-            return None
-
-    node.server = Server()
+    node = _shard(tmp_path, limits="request_timeout_s = 0.2")
     loop = asyncio.get_running_loop()
     node._replies_in_flight.append((_SlowTracker(3600), loop.time() + 0.2))  # a peer that stopped reading
     key = next(iter(node.core.chunks))
@@ -176,19 +163,13 @@ def test_sweep_jobs_do_not_refuse_a_diverged_members_nan(tmp_path):
     """In a sweep each member owns its slice; one member's NaN must not stop the others."""
     path = write_config(tmp_path)
     path.write_text(path.read_text() + '\n[sweep]\nmembers = [{lr = 0.05}, {lr = 1e6}]\n')
-    assert not PSShardNode(load(path), "ps0").check_finite
-    assert PSShardNode(load(write_config(tmp_path)), "ps0").check_finite
+    assert not PSShardNode(load(path), "ps0").reject_nonfinite
+    assert PSShardNode(load(write_config(tmp_path)), "ps0").reject_nonfinite
 
 
 async def test_only_the_newest_held_join_of_a_worker_is_answered(tmp_path):
     """A worker re-sends its join while the shards are not ready; when they are, only the newest
     join is admitted (once), the older one is refused."""
-    import pytest
-
-    from hmp.errors import RequestError
-    from hmp.messages import Join, Welcome
-    from hmp.nodes.scheduler import SchedulerNode
-
     node = SchedulerNode(load(write_config(tmp_path)), "scheduler")
     first = asyncio.ensure_future(node.on_join(Join(sender="cpu0", role="cpu_worker", address="a", pid=1), b"p"))
     await asyncio.sleep(0.01)
@@ -205,20 +186,7 @@ async def test_only_the_newest_held_join_of_a_worker_is_answered(tmp_path):
 async def test_a_reply_stuck_before_libzmq_takes_it_delays_updates_only_until_the_timeout(tmp_path):
     """A reply waiting for room in a peer's full pipe counts as being sent, but only for
     request_timeout_s: then the update goes on, and so do other replies."""
-    from hmp.messages import Pull
-
-    path = write_config(tmp_path)
-    path.write_text(path.read_text() + "\n[limits]\nrequest_timeout_s = 0.2\n")
-    node = PSShardNode(load(path), "ps0")
-    never = asyncio.Event()
-
-    class Server:
-        async def send(self, peer, msg, track=False):
-            if msg.rid == 99:  # this peer stopped reading
-                await never.wait()
-            return None
-
-    node.server = Server()
+    node = _shard(tmp_path, limits="request_timeout_s = 0.2", stuck_rid=99)
     key = next(iter(node.core.chunks))
     stuck = asyncio.ensure_future(node.on_pull(Pull(sender="gpu0", rid=99, keys=(key,)), b"slow"))
     await asyncio.sleep(0.01)
@@ -235,15 +203,7 @@ async def test_a_reply_stuck_before_libzmq_takes_it_delays_updates_only_until_th
 
 async def test_back_to_back_updates_do_not_starve_replies(tmp_path):
     """A reply waits only for the updates that were waiting when it came, not for later ones."""
-    from hmp.messages import Pull
-
-    node = PSShardNode(load(write_config(tmp_path)), "ps0")
-
-    class Server:
-        async def send(self, peer, msg, track=False):
-            return _SlowTracker(0.005)
-
-    node.server = Server()
+    node = _shard(tmp_path, hold_s=0.005)
     key = next(iter(node.core.chunks))
     g = torch.zeros_like(node.core.chunks[key].param)
     stop = asyncio.Event()
@@ -266,9 +226,6 @@ async def test_back_to_back_updates_do_not_starve_replies(tmp_path):
 
 
 async def test_shutting_down_answer_to_an_async_push_is_a_stop_not_a_failure(tmp_path):
-    from hmp.errors import RemoteError
-    from hmp.nodes.worker import WorkerNode
-
     node = WorkerNode(load(write_config(tmp_path)), "cpu0")
 
     class PS:

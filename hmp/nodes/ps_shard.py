@@ -68,7 +68,7 @@ class PSShardNode(Node):
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0}
         # A sweep's members are independent: one diverging member's NaN stays in its own slice of
         # every chunk, and refusing the push would stop the others too (its report shows it).
-        self.check_finite = cfg.ps.reject_nonfinite and not cfg.sweep.members
+        self.reject_nonfinite = cfg.ps.reject_nonfinite and not cfg.sweep.members
 
     def handlers(self):
         return {**super().handlers(), Kind.PUSH: self.on_push, Kind.PULL: self.on_pull, Kind.INIT: self.on_init,
@@ -147,7 +147,7 @@ class PSShardNode(Node):
     async def on_push(self, msg: Push, peer: bytes) -> None:
         try:
             self.core.check(msg.keys, msg.grads, "push")
-            if self.check_finite:
+            if self.reject_nonfinite:
                 self.core.check_finite(msg.keys, msg.grads, "push")
         except RequestError:
             self.stats["rejected"] += 1
@@ -200,7 +200,7 @@ class PSShardNode(Node):
 
     async def on_init(self, msg: Init, peer: bytes) -> Message:
         self.core.check(msg.keys, msg.values, "init")
-        if self.check_finite:
+        if self.reject_nonfinite:
             self.core.check_finite(msg.keys, msg.values, "init")
         await self._before_mutation()
         self.core.set_values(msg.keys, msg.values)

@@ -89,36 +89,31 @@ class WorkerNode(Node):
         """
         if self.stopping.is_set():
             return False
-        if self.cfg.train.consistency == "async":
-            try:
-                await ps.push(samples=samples)
-            except RemoteError as exc:
-                if exc.code != "shutting_down":
-                    raise
-                self.log.info("push_abandoned", reason="shard shutting down")
-                self.stop_requested = True  # the job is over: stop, not fail
-                return False
-            return True
-        push = asyncio.ensure_future(ps.push(samples=samples))
-        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            await asyncio.wait({push, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not push.done():
-                push.cancel()
-            await asyncio.gather(push, stop, return_exceptions=True)
-        if push.cancelled():
-            self.log.info("push_abandoned", reason="stopping")
-            return False
-        exc = push.exception()
-        if isinstance(exc, RemoteError) and exc.code == "shutting_down":
+            if self.cfg.train.consistency == "async":
+                await ps.push(samples=samples)
+                return True
+            push = asyncio.ensure_future(ps.push(samples=samples))
+            stop = asyncio.ensure_future(self.stopping.wait())
+            try:
+                await asyncio.wait({push, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                if not push.done():
+                    push.cancel()
+                await asyncio.gather(push, stop, return_exceptions=True)
+            if push.cancelled():
+                self.log.info("push_abandoned", reason="stopping")
+                return False
+            push.result()  # raises what the push raised
+            return True
+        except RemoteError as exc:
+            if exc.code != "shutting_down":
+                raise
             # The shard closed before the scheduler's shutdown reached us: the job is over.
             self.log.info("push_abandoned", reason="shard shutting down")
-            self.stop_requested = True
+            self.stop_requested = True  # stop, not fail
             return False
-        push.result()  # raises what the push raised
-        return True
 
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)

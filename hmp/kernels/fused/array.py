@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from . import flat
+from hmp.ps.layout import FlatLayout
+
 from . import layout as L
 from .base import FusedModule
-from .chain import chain_backward, chain_forward, chain_steps, hand_backward_allowed, hooks_registered
+from .chain import chain_backward, chain_forward, chain_steps, hand_backward_allowed
 from .convert import FusedSequential, fuse
 from .linear import FusedLinear
 from .loss import cross_entropy_and_grad
@@ -46,17 +47,13 @@ class FusedArray:
         self.device = torch.device(device)
         self.model: FusedModule = fuse(factory, self.B, device=self.device)
         self._params = list(self.model.parameters())
-        self._grad_views: list[torch.Tensor] | None = None
-        if self._params and len({(p.dtype, p.device) for p in self._params}) == 1:
-            # Parameters and gradients each back to back in one buffer, so the fused optimizer
-            # updates them all with one kernel per term (flat.py). A one-time copy at build.
-            values, views = flat.allocate_like(self._params)
-            with torch.no_grad():
-                for p, view in zip(self._params, views):
-                    view.copy_(p)
-                    p.data = view
-            self._values = values
-            self._grads, self._grad_views = flat.allocate_like(self._params)
+        # Parameters and gradients each back to back in one buffer per dtype (what a parameter
+        # server's FlatLayout.bind does; a one-time copy at build), so the fused optimizer updates
+        # them all with one kernel per term (flat.py) and the direct step writes gradients there.
+        buffers = FlatLayout.from_model(self.model).bind(self.model)
+        self._grads = next(iter(buffers.grads.values())) if len(buffers.grads) == 1 else None
+        self._grad_views: list[torch.Tensor] | None = (
+            [p.grad for p in self._params] if all(p.grad is not None for p in self._params) else None)
         self.optimizer: _FusedOptimizer = make_optimizer(optimizer, self._params, settings)
         self._chain = self._whole_model_chain()
         self._modules = list(self.model.modules())  # for the hook check of every direct step
@@ -117,7 +114,7 @@ class FusedArray:
             return None
         if not all(p.requires_grad for p in self._params) or not self.model.hand_backward:
             return None
-        if hooks_registered(self._modules, self._params) or not hand_backward_allowed(x, ()):
+        if not hand_backward_allowed(x, self._modules, self._params):
             return None
         return steps
 

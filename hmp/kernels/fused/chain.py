@@ -79,17 +79,18 @@ def hooks_registered(modules: Sequence[nn.Module], params: Sequence[torch.Tensor
     return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
 
 
-def hand_backward_allowed(x: torch.Tensor, run: Sequence[nn.Module]) -> bool:
-    """Whether the run may take the hand-written path for input ``x``: not under autocast (the
-    backward would mix the autocast dtype with the float32 weights), not inside a
-    ``torch.func`` transform (the Function has no ``setup_context``/vmap rule), and no hook
-    on the run's modules (they would be skipped)."""
+def hand_backward_allowed(x: torch.Tensor, modules: Sequence[nn.Module],
+                          params: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether the hand-written path may run on input ``x``: not under autocast (the backward
+    would mix the autocast dtype with the float32 weights), not inside a ``torch.func``
+    transform (the Function has no ``setup_context``/vmap rule), and no hook on ``modules``
+    (every module the path replaces, submodules included) or ``params`` (they would be skipped)."""
     if torch.is_autocast_enabled(x.device.type):
         return False
     are_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
     if are_transforms_active is not None and are_transforms_active():
         return False
-    return not hooks_registered([sub for m in run for sub in m.modules()])
+    return not hooks_registered(modules, params)
 
 
 def chain_params(run: Sequence[nn.Module]) -> list[torch.Tensor]:

@@ -137,7 +137,7 @@ class FusedSequential(FusedModule):
                     return first(x)  # raises the shape error naming [B, N, in_features]
                 h = x.transpose(1, 2)  # [B, F, N]
                 steps = (chain_steps(run) if torch.is_grad_enabled() and self.hand_backward
-                         and hand_backward_allowed(h, run) else None)
+                         and hand_backward_allowed(h, [sub for m in run for sub in m.modules()]) else None)
                 if steps is not None:  # one autograd node, hand-written backward (chain.py)
                     h = linear_chain(h, steps, chain_params(run))
                 else:

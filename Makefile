@@ -34,7 +34,7 @@ bench: setup
 
 # Regenerate the README's configuration reference from hmp/config.py.
 docs: setup
-	$(PY) -m hmp.config --update README.md
+	$(PY) -m hmp.config.reference --update README.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

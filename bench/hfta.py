@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hmp.kernels.fused import FusedArray  # noqa: E402
+from hmp.hfta import FusedArray  # noqa: E402
 from hmp.models import digits_mlp  # noqa: E402
 
 CORES = 2

@@ -44,12 +44,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from hmp.models import click_model, deep_mlp  # noqa: E402
-from hmp.sched.placement import cost_model  # noqa: E402
-from hmp.sched.placement.baselines import BruteForcePlanner  # noqa: E402
-from hmp.sched.placement.problem import PlacementProblem, Plan  # noqa: E402
-from hmp.sched.placement.registry import make_planner, problem_from_config  # noqa: E402
-from hmp.sched.placement.rl import RLPlanner  # noqa: E402
-from hmp.sched.placement.synthetic import random_problem  # noqa: E402
+from hmp.placement import cost_model  # noqa: E402
+from hmp.placement.baselines import BruteForcePlanner  # noqa: E402
+from hmp.placement.problem import PlacementProblem, Plan  # noqa: E402
+from hmp.placement.registry import make_planner, problem_from_config  # noqa: E402
+from hmp.placement.rl import RLPlanner  # noqa: E402
+from hmp.placement.synthetic import random_problem  # noqa: E402
 
 PLANNERS = ("bruteforce", "greedy", "random", "ga", "rl")
 RANDOM_SEEDS = tuple(range(12))

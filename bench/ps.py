@@ -244,7 +244,7 @@ def _ps_worker(cfg_path: str, name: str, shards: list[tuple[str, str]], conn: An
         async def main() -> None:
             cfg = load(cfg_path)
             async with PSClient.from_config(cfg, shards, name=name) as ps:
-                for g in ps.plan.flat.grads.values():
+                for g in ps.sharded.flat.grads.values():
                     g.fill_(1e-4)  # a plausible gradient; SGD keeps the values finite and normal
                 await ps.pull()  # waits until both shards serve (zmq queues until they bind)
                 conn.send("ready")
@@ -374,7 +374,7 @@ def _ddp_worker(rank: int, port: int, stop_at: Any, conn: Any, barrier: Any) -> 
             if cmd[0] == "stop":
                 break
             _, target, eval_every_s, lr, momentum, batch, max_epochs = cmd
-            torch.manual_seed(0)  # hmp's ModelPlan seeds with [model] seed = 0 before building
+            torch.manual_seed(0)  # hmp's ShardedModel seeds with [model] seed = 0 before building
             model = DDP(digits_mlp())
             opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
             gen = torch.Generator().manual_seed(rank)  # hmp's worker: data.seed * 1000 + index

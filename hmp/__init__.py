@@ -16,6 +16,6 @@ def __getattr__(name: str):
         from hmp.client import PSClient
         return PSClient
     if name == "load_config":
-        from hmp.config import load
+        from hmp.job import load
         return load
     raise AttributeError(name)

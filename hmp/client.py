@@ -18,27 +18,30 @@ from typing import Any
 
 import torch
 
+from hmp import job
 from hmp.config import Config
 from hmp.messages import Leave, Message, Params, Pull, Push
-from hmp.nodes.base import limits_of
-from hmp.ps.plan import ModelPlan
+from hmp.ps.sharding import ShardedModel
+from hmp.train.evaluate import evaluate, evaluate_sweep
+from hmp.transport.codec import Limits
 from hmp.transport.endpoint import Client
 
 
 class PSClient:
-    """Talks to every shard of one model; the model's parameters live in ``plan``'s flat buffers."""
+    """Talks to every shard of one model; the model's parameters live in ``sharded``'s flat buffers."""
 
-    def __init__(self, plan: ModelPlan, shards: Sequence[tuple[str, str]], *, name: str = "client",
+    def __init__(self, sharded: ShardedModel, shards: Sequence[tuple[str, str]], *, name: str = "client",
                  cfg: Config | None = None, timeout_s: float = 60.0) -> None:
-        if len(shards) != len(plan.placement):
-            raise ValueError(f"the plan places chunks on {len(plan.placement)} shards, {len(shards)} given")
-        self.plan, self.cfg, self.name = plan, cfg, name
+        if len(shards) != len(sharded.assignment):
+            raise ValueError(f"the model's chunks are assigned to {len(sharded.assignment)} shards, "
+                             f"{len(shards)} given")
+        self.sharded, self.cfg, self.name = sharded, cfg, name
         kw: dict[str, Any] = {"name": name, "timeout_s": timeout_s}
         if cfg is not None:
-            kw.update(limits=limits_of(cfg), frame_bytes=cfg.limits.frame_bytes)
-        self.shards = [(sid, Client(addr, **kw), tuple(plan.placement[i])) for i, (sid, addr) in enumerate(shards)]
-        self._params = plan.param_views()
-        self._grads = plan.grad_views()
+            kw.update(limits=Limits.of(cfg.limits), frame_bytes=cfg.limits.frame_bytes)
+        self.shards = [(sid, Client(addr, **kw), tuple(sharded.assignment[i])) for i, (sid, addr) in enumerate(shards)]
+        self._params = sharded.param_views()
+        self._grads = sharded.grad_views()
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self._staging: dict[int, torch.Tensor] | None = None
         if device.type != "cpu":
@@ -51,12 +54,12 @@ class PSClient:
     @classmethod
     def from_config(cls, cfg: Config, shards: Sequence[tuple[str, str]], *, name: str = "client",
                     device: str = "cpu") -> PSClient:
-        return cls(ModelPlan.from_config(cfg, device), shards, name=name, cfg=cfg,
+        return cls(job.sharded_model(cfg, device), shards, name=name, cfg=cfg,
                    timeout_s=cfg.limits.request_timeout_s)
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.plan.model
+        return self.sharded.model
 
     async def __aenter__(self) -> PSClient:
         await self.connect()
@@ -127,33 +130,10 @@ class PSClient:
     def evaluate(self, dataset: Any = None) -> dict[str, float]:
         """Test accuracy and loss of the current parameters on ``dataset`` (default: the config's)."""
         if dataset is None:
-            from hmp.jobdata import load_dataset_from_config
-
-            assert self.cfg is not None
-            dataset = load_dataset_from_config(self.cfg)
-        if self.plan.array is not None:
-            return evaluate_sweep(self.plan.array, dataset.x_test, dataset.y_test)
+            if self.cfg is None:
+                raise ValueError("evaluate() needs a dataset when the client was built without a config")
+            dataset = job.dataset(self.cfg)
+        if self.sharded.array is not None:
+            return evaluate_sweep(self.sharded.array, dataset.x_test, dataset.y_test)
         return evaluate(self.model, dataset.x_test, dataset.y_test)
 
-
-def evaluate_sweep(array: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Per-member test accuracy of an HFTA sweep (``member<b>_accuracy``), the best as ``test_accuracy``."""
-    accs = array.evaluate(x, y)
-    out = {f"member{b}_accuracy": a for b, a in enumerate(accs)}
-    out["test_accuracy"] = max(accs)
-    out["best_member"] = float(accs.index(max(accs)))
-    return out
-
-
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096) -> dict[str, float]:
-    device = next(model.parameters()).device
-    correct, loss, n = 0, 0.0, len(y)
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            out = model(x[i:i + batch].to(device))
-            yy = y[i:i + batch].to(device)
-            loss += torch.nn.functional.cross_entropy(out, yy, reduction="sum").item()
-            correct += (out.argmax(1) == yy).sum().item()
-    model.train()
-    return {"test_accuracy": correct / max(1, n), "test_loss": loss / max(1, n)}

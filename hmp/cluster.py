@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hmp.config import Config, load
+from hmp import job
+from hmp.config import Config
 from hmp.errors import HmpError
 from hmp.messages import Status
 from hmp.transport.endpoint import Client
@@ -42,7 +43,7 @@ class LocalCluster:
 
     def __init__(self, config: Config | str | os.PathLike, *, config_path: str | None = None,
                  env: dict[str, str] | None = None, resume: bool = False, grace_s: float = 10.0) -> None:
-        self.cfg = config if isinstance(config, Config) else load(config)
+        self.cfg = config if isinstance(config, Config) else job.load(config)
         self.config_path = config_path or self.cfg.path
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("PYTHONUNBUFFERED", "1")

@@ -15,7 +15,7 @@ from typing import Any
 import uvloop
 
 from hmp.cluster import JobFailed, LocalCluster
-from hmp.config import env_overrides, load
+from hmp import job
 from hmp.errors import ConfigError
 
 
@@ -54,7 +54,7 @@ class ProgressBar:
 
 
 async def _launch(args: argparse.Namespace) -> int:
-    cfg = env_overrides(load(args.config))
+    cfg = job.with_env(job.load(args.config))
     bar = ProgressBar(cfg.train.epochs)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()

@@ -6,10 +6,14 @@ and cut into pipeline stages (HeterPS) without special cases.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from hmp.config import Config
+from hmp.errors import ConfigError
 
 
 class FieldEmbedding(nn.Module):
@@ -61,10 +65,33 @@ def deep_mlp(in_features: int = 256, width: int = 512, depth: int = 8, classes: 
 MODELS = {"digits_mlp": digits_mlp, "click_model": click_model, "deep_mlp": deep_mlp}
 
 
-def build_model(name: str, **kwargs) -> nn.Sequential:
-    """Build a model by registry name; unknown names list the known ones."""
+def build_model(name: str, seed: int | None = None, **kwargs) -> nn.Sequential:
+    """Build a model by registry name; unknown names list the known ones.
+
+    With ``seed``, the initial parameters come from that seed (every node builds the same model)
+    without touching the global torch RNG: the caller's random stream is left as it was.
+    """
     try:
         factory = MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}") from None
-    return factory(**kwargs)
+    if seed is None:
+        return factory(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory(**kwargs)
+
+
+def check_config(cfg: Config) -> None:
+    """``[model]``: the name is known and the factory accepts the arguments. The model is built on the
+    meta device (no memory, no initialisation), so a bad value fails at load with file and key."""
+    p, m = cfg.path, cfg.model
+    factory = MODELS.get(m.name)
+    if factory is None:
+        raise ConfigError(p, "model.name", f"one of {sorted(MODELS)}, got {m.name!r}")
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. torch's warning about a zero-element init
+            factory(**m.args)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise ConfigError(p, "model.args", f"arguments that {m.name}() accepts ({exc})") from None

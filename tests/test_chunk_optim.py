@@ -1,4 +1,4 @@
-"""Chunk optimizers and gradient aggregation (hmp.kernels.optim) against torch.optim."""
+"""Chunk optimizers and gradient aggregation (hmp.ps.optim) against torch.optim."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hmp.kernels.optim import (
+from hmp.ps.optim import (
     ChunkAdagrad,
     ChunkAdam,
     ChunkSGD,
@@ -15,7 +15,7 @@ from hmp.kernels.optim import (
     make_chunk_optimizer,
     scale_,
 )
-from hmp.ps.layout import FlatLayout, chunk_views
+from hmp.flat import FlatLayout, chunk_views
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hmp.cluster import JobFailed, LocalCluster
-from hmp.config import load
+from hmp.job import load
 from hmp.errors import RemoteError
 from hmp.messages import Push, Tensors
 from hmp.transport.endpoint import Client
@@ -127,7 +127,7 @@ async def test_bad_requests_to_a_live_shard_get_errors_while_training_goes_on(tm
         async with PSClient.from_config(cfg, [(s.id, s.bind) for s in cfg.shards], name="api") as ps:
             await ps.pull()
             before = ps.version
-            ps.plan.flat.zero_grad()
+            ps.sharded.flat.zero_grad()
             assert await ps.push(samples=1) > before
         report = await cluster.train(timeout_s=200)
     # The stop rule saw the target on a worker's replica; updates still in flight then move the final PS
@@ -186,9 +186,9 @@ async def test_checkpoint_then_resume_gives_the_same_parameters(tmp_path):
                     break
                 except Exception:
                     await asyncio.sleep(0.2)
-            views = ps.plan.param_views()
+            views = ps.sharded.param_views()
             for i, sid in enumerate(("ps0", "ps1")):
-                for key in ps.plan.placement[i]:
+                for key in ps.sharded.assignment[i]:
                     assert torch.equal(views[key], saved[sid]["params"][key])
             final = ps.evaluate()
         assert final["test_accuracy"] == pytest.approx(report["final"]["test_accuracy"])
@@ -229,9 +229,9 @@ async def test_hogbatch_policies_run_as_scheduler_loops(tmp_path, policy):
 async def test_hfta_sweep_job_trains_members_as_one_fused_array(tmp_path):
     """A [sweep] job trains B members as one fused array held on the PS; each member's reported accuracy matches
     the same fused array trained locally on the same batches, and the members' settings really differ in effect."""
-    from hmp.config import loads
+    from hmp.job import loads
     from hmp.data import load_digits_dataset
-    from hmp.kernels.fused.array import FusedArray
+    from hmp.hfta.array import FusedArray
     from hmp.models import build_model
 
     members = [{"lr": 0.01}, {"lr": 0.05, "momentum": 0.9}, {"lr": 0.2}]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hmp.config import env_overrides, load, loads, reference
+from hmp.config import env_overrides
+from hmp.config.reference import reference
+from hmp.job import load, loads
 from hmp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,12 +138,12 @@ def test_placement_errors_name_file_key_and_expectation(patch, key, expected):
 
 def test_placement_message_overhead_default_is_the_planners():
     """[placement] message_overhead_s defaults to the figure the planner's spec uses (measured on this runtime)."""
-    from hmp.config import placement_table
-    from hmp.sched.placement.spec import DEFAULT_MESSAGE_OVERHEAD_S, parse_spec
+    from hmp.placement.spec import spec_table
+    from hmp.placement.spec import DEFAULT_MESSAGE_OVERHEAD_S, parse_spec
 
     cfg = load(ROOT / "conf/click_pipeline.toml")
     assert cfg.placement.message_overhead_s == DEFAULT_MESSAGE_OVERHEAD_S
-    spec = parse_spec(placement_table(cfg, 1e5), counts={"cpu": 2, "accel": 1})
+    spec = parse_spec(spec_table(cfg, 1e5), counts={"cpu": 2, "accel": 1})
     assert spec.micro_batches == cfg.placement.micro_batches and spec.reps == cfg.placement.profile_repeats
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hmp.kernels.fused import (
+from hmp.hfta import (
     DENSE,
     FUSED_OPS,
     IMAGE,
@@ -26,7 +26,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def small_cnn() -> nn.Sequential:
-    """A tiny CNN using the main image-layout operators. (No bias before BatchNorm: its true
+    """A tiny CNN using the main image-arrangement operators. (No bias before BatchNorm: its true
     gradient is zero, so Adam would amplify float noise into steps that differ run to run.)"""
     return nn.Sequential(
         nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
@@ -121,7 +121,7 @@ def test_cnn_array_trains_like_serial_adamw_and_evaluates_per_member():
     batches = _batches((1, 8, 8), 3, k=4)
     models, _ = _train_serial(small_cnn, settings, torch.optim.AdamW, batches)
     array, _ = _train_fused(small_cnn, settings, "adamw", batches)
-    assert array.model.in_layout == IMAGE and array.model.out_layout == DENSE
+    assert array.model.in_arrangement == IMAGE and array.model.out_arrangement == DENSE
     _assert_same(array, models)
     x, y = _batches((1, 8, 8), 3, k=1, n=40)[0]
     acc = array.evaluate(x, y)
@@ -234,7 +234,7 @@ def test_conversion_table_covers_the_issue_operators():
 
 
 def test_nested_sequential_and_broadcast_input():
-    """Nested Sequentials fuse recursively and a shared input broadcast in the model's layout
+    """Nested Sequentials fuse recursively and a shared input broadcast in the model's arrangement
     gives each member its own model's output."""
     torch.manual_seed(0)
     make = lambda: nn.Sequential(nn.Sequential(nn.Linear(3, 5), nn.GELU()), nn.LayerNorm(5), nn.Linear(5, 2))  # noqa: E731
@@ -242,7 +242,7 @@ def test_nested_sequential_and_broadcast_input():
     fused = fuse_models(copy.deepcopy(models), device="cpu")
     assert isinstance(fused[0], FusedSequential)
     x = torch.randn(7, 3)
-    out = fused(broadcast(x, 3, fused.in_layout))
+    out = fused(broadcast(x, 3, fused.in_arrangement))
     for b, m in enumerate(models):
         torch.testing.assert_close(out[b], m(x), **TOL)
 

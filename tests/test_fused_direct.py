@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hmp.kernels.fused import FusedArray, FusedSGD, fuse
-from hmp.kernels.fused import flat
-from hmp.kernels.fused.chain import chain_params, chain_steps, linear_chain
-from hmp.kernels.fused.loss import cross_entropy_and_grad, fused_cross_entropy
+from hmp.hfta import FusedArray, FusedSGD, fuse
+from hmp.hfta import flat
+from hmp.hfta.chain import chain_params, chain_steps, linear_chain
+from hmp.hfta.loss import cross_entropy_and_grad, fused_cross_entropy
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -140,7 +140,7 @@ def test_chain_inside_a_model_matches_per_op_autograd():
     for p in fused.parameters():
         p.grad = None
     x.grad = None
-    import hmp.kernels.fused.convert as convert
+    import hmp.hfta.convert as convert
 
     original = convert.chain_steps
     convert.chain_steps = lambda run: None  # force the per-op path

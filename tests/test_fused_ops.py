@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hmp.kernels.fused import (
+from hmp.hfta import (
     DENSE,
     IMAGE,
     FusedBatchNorm1d,
@@ -21,7 +21,7 @@ from hmp.kernels.fused import (
     member,
     stack,
 )
-from hmp.kernels.fused.elementwise import ACTIVATIONS, CHANNELWISE
+from hmp.hfta.elementwise import ACTIVATIONS, CHANNELWISE
 from hmp.models import FieldEmbedding
 
 B = 3
@@ -35,12 +35,12 @@ def _models(make, seed: int = 0) -> list[nn.Module]:
     return [make() for _ in range(B)]
 
 
-def _check_against_torch(models, make_input, layout_in=DENSE, layout_out=None, shared=False,
+def _check_against_torch(models, make_input, arrangement_in=DENSE, arrangement_out=None, shared=False,
                          steps=STEPS, lr=0.05, float_input=True, fused=None):
     """Train B torch modules and their fused module side by side with plain SGD on a fixed random
     linear loss; assert equal outputs, input and parameter gradients at every step, and equal
     parameters and buffers (exported member b vs module b) at the end."""
-    layout_out = layout_out or layout_in
+    arrangement_out = arrangement_out or arrangement_in
     if fused is None:
         fused = fuse_models(copy.deepcopy(models))
     for step in range(steps):
@@ -53,18 +53,18 @@ def _check_against_torch(models, make_input, layout_in=DENSE, layout_out=None, s
         xt = [x.clone().requires_grad_(float_input) for x in xs]
         if shared:
             xf_leaf = xs[0].clone()
-            xf = broadcast(xf_leaf, B, layout_in)
+            xf = broadcast(xf_leaf, B, arrangement_in)
         else:
             xf_leaves = [x.clone().requires_grad_(float_input) for x in xs]
-            xf = stack(xf_leaves, layout_in)
+            xf = stack(xf_leaves, arrangement_in)
         outs = [m(x) for m, x in zip(models, xt)]
         out_f = fused(xf)
         probes = [torch.randn_like(o) for o in outs]
         for b in range(B):
-            torch.testing.assert_close(member(out_f, b, layout_out), outs[b], **TOL,
+            torch.testing.assert_close(member(out_f, b, arrangement_out), outs[b], **TOL,
                                        msg=lambda m: f"step {step} member {b} output: {m}")
         sum(((o * p).sum() for o, p in zip(outs, probes))).backward()
-        (out_f * stack(probes, layout_out)).sum().backward()
+        (out_f * stack(probes, arrangement_out)).sum().backward()
         if float_input and not shared:
             for b in range(B):
                 torch.testing.assert_close(xf_leaves[b].grad, xt[b].grad, **TOL)
@@ -118,23 +118,23 @@ def test_linear_rejects_wrong_shape():
 def test_conv_matches_torch(make, shape):
     """FusedConv1d/2d (one grouped convolution over B groups) give each member the torch
     convolution's outputs, gradients and SGD trajectory for every padding mode and grouping."""
-    _check_against_torch(_models(make), lambda: torch.randn(N, *shape), layout_in=IMAGE)
+    _check_against_torch(_models(make), lambda: torch.randn(N, *shape), arrangement_in=IMAGE)
 
 
 def test_conv_shared_input_fast_path_matches_torch():
     """One image batch broadcast to all members runs as one plain convolution with B*C_out
     channels and still gives each member its own result and gradients."""
     _check_against_torch(_models(lambda: nn.Conv2d(3, 4, 3)), lambda: torch.randn(N, 3, 6, 6),
-                         layout_in=IMAGE, shared=True)
+                         arrangement_in=IMAGE, shared=True)
 
 
 def test_conv_rejects_dense_input():
-    """FusedConv2d names the [N, B, C, H, W] layout it expects."""
+    """FusedConv2d names the [N, B, C, H, W] arrangement it expects."""
     with pytest.raises(ValueError, match=r"\[N, B=3, 3"):
         FusedConv2d(3, 4, 3, B=3)(torch.randn(3, N, 3, 6))
 
 
-@pytest.mark.parametrize("make, shape, layout", [
+@pytest.mark.parametrize("make, shape, arrangement", [
     (lambda: nn.BatchNorm1d(4), (4,), DENSE),
     (lambda: nn.BatchNorm1d(4, momentum=None), (4,), DENSE),
     (lambda: nn.BatchNorm1d(4), (4, 6), IMAGE),
@@ -142,7 +142,7 @@ def test_conv_rejects_dense_input():
     (lambda: nn.BatchNorm2d(3, affine=False), (3, 4, 4), IMAGE),
     (lambda: nn.BatchNorm2d(3, track_running_stats=False), (3, 4, 4), IMAGE),
 ], ids=["bn1d-dense", "bn1d-cumulative", "bn1d-image", "bn2d", "bn2d-noaffine", "bn2d-nostats"])
-def test_batchnorm_matches_torch_in_train_and_eval(make, shape, layout):
+def test_batchnorm_matches_torch_in_train_and_eval(make, shape, arrangement):
     """Fused BatchNorm keeps each member's own running statistics: after K training steps the
     exported statistics equal each torch module's, and eval-mode outputs agree too."""
     models = _models(make)
@@ -151,14 +151,14 @@ def test_batchnorm_matches_torch_in_train_and_eval(make, shape, layout):
             if m.affine:
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
-    fused = _check_against_torch(models, lambda: torch.randn(N, *shape) * 2 + 1, layout_in=layout)
+    fused = _check_against_torch(models, lambda: torch.randn(N, *shape) * 2 + 1, arrangement_in=arrangement)
     fused.eval()
     for m in models:
         m.eval()
     xs = [torch.randn(N, *shape) for _ in range(B)]
-    out = fused(stack(xs, layout))
+    out = fused(stack(xs, arrangement))
     for b in range(B):
-        torch.testing.assert_close(member(out, b, layout), models[b](xs[b]), **TOL)
+        torch.testing.assert_close(member(out, b, arrangement), models[b](xs[b]), **TOL)
 
 
 def test_batchnorm_members_keep_separate_statistics():
@@ -172,18 +172,18 @@ def test_batchnorm_members_keep_separate_statistics():
 
 
 def test_batchnorm1d_rejects_unknown_shape():
-    """FusedBatchNorm1d names both accepted layouts when given another shape."""
+    """FusedBatchNorm1d names both accepted arrangements when given another shape."""
     with pytest.raises(ValueError, match=r"\[B=2, N, 4\] or \[N, B=2, 4, L\]"):
         FusedBatchNorm1d(4, B=2)(torch.randn(N, 4))
 
 
-@pytest.mark.parametrize("make, shape, layout", [
+@pytest.mark.parametrize("make, shape, arrangement", [
     (lambda: nn.LayerNorm(6), (6,), DENSE),
     (lambda: nn.LayerNorm(6, bias=False), (2, 6), DENSE),
     (lambda: nn.LayerNorm((4, 4)), (3, 4, 4), IMAGE),
 ], ids=["dense", "dense-nobias-extra-dim", "image-hw"])
-def test_layernorm_matches_torch(make, shape, layout):
-    """FusedLayerNorm applies each member's own affine parameters in both layouts."""
+def test_layernorm_matches_torch(make, shape, arrangement):
+    """FusedLayerNorm applies each member's own affine parameters in both arrangements."""
     models = _models(make)
     with torch.no_grad():
         for m in models:
@@ -191,17 +191,17 @@ def test_layernorm_matches_torch(make, shape, layout):
             if m.bias is not None:
                 m.bias.uniform_(-0.5, 0.5)
     fused = None
-    if layout == IMAGE:  # a standalone LayerNorm cannot tell its layout: say it
-        fused = FusedLayerNorm((4, 4), B=B, layout=IMAGE)
+    if arrangement == IMAGE:  # a standalone LayerNorm cannot tell its arrangement: say it
+        fused = FusedLayerNorm((4, 4), B=B, arrangement=IMAGE)
         for b, m in enumerate(models):
             fused.load_member(b, m)
-    _check_against_torch(models, lambda: torch.randn(N, *shape), layout_in=layout, fused=fused)
+    _check_against_torch(models, lambda: torch.randn(N, *shape), arrangement_in=arrangement, fused=fused)
 
 
 def test_layernorm_in_image_model_is_converted_with_image_layout():
     """A LayerNorm after a convolution is converted for [N, B, C, H, W] input and trains like torch."""
     make = lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.LayerNorm((4, 4)), nn.ReLU())  # noqa: E731
-    _check_against_torch(_models(make), lambda: torch.randn(N, 2, 6, 6), layout_in=IMAGE)
+    _check_against_torch(_models(make), lambda: torch.randn(N, 2, 6, 6), arrangement_in=IMAGE)
 
 
 def test_embedding_matches_torch_with_padding_idx():
@@ -246,13 +246,13 @@ def test_channelwise_ops_match_torch(pool):
     conv = nn.Conv1d if one_d else nn.Conv2d
     shape = (2, 8) if one_d else (2, 6, 6)
     make = lambda: nn.Sequential(conv(2, 3, 1), pool(*args))  # noqa: E731
-    _check_against_torch(_models(make), lambda: torch.randn(N, *shape), layout_in=IMAGE, steps=2)
+    _check_against_torch(_models(make), lambda: torch.randn(N, *shape), arrangement_in=IMAGE, steps=2)
 
 
 def test_flatten_hands_image_over_to_dense():
     """A conv trunk, Flatten and a Linear head train exactly like the torch CNN."""
     make = lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 4))  # noqa: E731
-    _check_against_torch(_models(make), lambda: torch.randn(N, 2, 6, 6), layout_in=IMAGE, layout_out=DENSE)
+    _check_against_torch(_models(make), lambda: torch.randn(N, 2, 6, 6), arrangement_in=IMAGE, arrangement_out=DENSE)
 
 
 @pytest.mark.parametrize("dim", [-1, 1])
@@ -320,8 +320,8 @@ def test_dropout_p0_trains_exactly_like_torch(make):
     models = _models(make)
     image = isinstance(models[0][0], nn.Conv2d)
     shape = (2, 6, 6) if image else (4,)
-    _check_against_torch(models, lambda: torch.randn(N, *shape), layout_in=IMAGE if image else DENSE,
-                         layout_out=DENSE)
+    _check_against_torch(models, lambda: torch.randn(N, *shape), arrangement_in=IMAGE if image else DENSE,
+                         arrangement_out=DENSE)
 
 
 def test_dropout_in_eval_mode_matches_torch_eval():

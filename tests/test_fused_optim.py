@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hmp.kernels.fused import (
+from hmp.hfta import (
     FusedAdam,
     FusedAdamW,
     FusedCosineAnnealingLR,

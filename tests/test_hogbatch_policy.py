@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hmp.sched import hogbatch
-from hmp.sched.hogbatch import (
+from hmp.batching import hogbatch
+from hmp.batching.hogbatch import (
     AdaptiveHogbatch,
     Assignment,
     HogbatchPolicy,
@@ -315,7 +315,7 @@ def test_assignments_are_always_well_formed(speeds, threshold, smoothing):
 
 
 def test_policy_module_imports_no_network_or_nodes():
-    """hmp.sched.hogbatch stays pure: it imports neither zmq nor hmp.nodes nor hmp.transport."""
+    """hmp.batching.hogbatch stays pure: it imports neither zmq nor hmp.nodes nor hmp.transport."""
     tree = ast.parse(Path(hogbatch.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -12,7 +12,6 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from hmp.models import digits_mlp
-from hmp.sched.hogbatch import WorkerReport
 from hmp.train.hogwild import GradientAccumulator, HogwildStats, HogwildTrainer
 
 
@@ -259,17 +258,6 @@ def test_run_restores_the_intra_op_thread_count():
     X, y = small_problem()
     HogwildTrainer(small_model(), threads=1, lr=0.05, batch_size=8, loss_fn=nn.CrossEntropyLoss()).run(X, y, max_updates=2)
     assert torch.get_num_threads() == 2
-
-
-def test_stats_become_a_scheduler_report():
-    """HogwildStats.to_report gives the policies a cumulative WorkerReport."""
-    X, y = small_problem()
-    stats = HogwildTrainer(small_model(), threads=2, lr=0.05, batch_size=8, loss_fn=nn.CrossEntropyLoss()).run(X, y)
-    report = stats.to_report("W[1]", 12.5, updates_before=100)
-    assert isinstance(report, WorkerReport) and isinstance(stats, HogwildStats)
-    assert (report.kind, report.updates, report.batch_size, report.time_s) == ("cpu", 100 + stats.updates, 8, 12.5)
-    assert report.samples_per_s == pytest.approx(256 / stats.wall_s)
-    assert 0 < report.busy_fraction <= 1
 
 
 @pytest.mark.parametrize(

@@ -8,14 +8,14 @@ import asyncio
 import pytest
 import torch
 
-from hmp.config import load
+from hmp.job import load
 from hmp.errors import RemoteError, RequestError
 from hmp.messages import Join, Pull, Push, Report, Welcome, Work
 from hmp.nodes.ps_shard import PSShardNode
 from hmp.nodes.scheduler import SchedulerNode
 from hmp.nodes.worker import WorkerNode
 from hmp.ps.shard_core import ShardCore
-from hmp.sched.batching import make_batch_policy
+from hmp.batching.policy import make_batch_policy
 
 from .cluster_util import write_config
 

@@ -10,16 +10,16 @@ import torch
 from torch.nn import functional as F
 
 from hmp.cluster import LocalCluster
-from hmp.config import loads
+from hmp.job import loads
 from hmp.models import click_model, deep_mlp
 from hmp.pipeline.assign import assign_workers, runnable
-from hmp.pipeline.layout import layer_aligned_layout, stage_chunk_keys
+from hmp.pipeline.chunks import layer_aligned_layout, stage_chunk_keys
 from hmp.pipeline.schedule import ExampleOrder, micro_batches_of
 from hmp.pipeline.stage import StageCompute
-from hmp.sched.placement import cost_model
-from hmp.sched.placement.problem import NOT_MEASURED
-from hmp.sched.placement.profiler import param_layers, split_layers
-from hmp.sched.placement.registry import problem_from_config
+from hmp.placement import cost_model
+from hmp.placement.problem import NOT_MEASURED
+from hmp.placement.profiler import param_layers, split_layers
+from hmp.placement.registry import problem_from_config
 
 from .cluster_util import free_port
 
@@ -69,7 +69,7 @@ def test_layer_aligned_chunks_belong_to_one_stage_each():
         flat = [k for ks in keys for k in ks]
         assert sorted(flat) == [c.key for c in layout.chunks]
     assert owner["3.weight"] == 3
-    from hmp.ps.layout import FlatLayout
+    from hmp.flat import FlatLayout
 
     with pytest.raises(ValueError, match="straddles"):
         stage_chunk_keys(FlatLayout.from_model(model, 512), 0, 1, owner)
@@ -143,7 +143,7 @@ async def test_stage_worker_keeps_messages_that_arrive_before_its_assignment(tmp
     messages of an older plan are dropped."""
     from hmp.messages import Activations, StageAssign
     from hmp.nodes.stage_worker import StageWorkerNode
-    from hmp.ps.plan import ModelPlan
+    from hmp import job
 
     class FakePS:
         keys = ()
@@ -167,7 +167,7 @@ async def test_stage_worker_keeps_messages_that_arrive_before_its_assignment(tmp
         node = StageWorkerNode(cfg, "accel0")
     finally:
         torch.set_num_threads(threads)
-    node.model_plan, node.ps = ModelPlan.from_config(cfg), FakePS()
+    node.sharded, node.ps = job.sharded_model(cfg), FakePS()
     node.order = ExampleOrder(4096, 512, 4, 0)
     node.client = lambda address: FakePeer()
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from hmp.sched.placement import cost_model
-from hmp.sched.placement.baselines import BruteForcePlanner, GreedyPlanner, RandomSearchPlanner, SpaceTooLarge
-from hmp.sched.placement.env import PlacementEnv
-from hmp.sched.placement.problem import LayerProfile, PlacementProblem, ResourceType
-from hmp.sched.placement.registry import PLANNERS, make_planner, replan
-from hmp.sched.placement.rl import RLPlanner
-from hmp.sched.placement.synthetic import random_problem
+from hmp.placement import cost_model
+from hmp.placement.baselines import BruteForcePlanner, GreedyPlanner, RandomSearchPlanner, SpaceTooLarge
+from hmp.placement.env import PlacementEnv
+from hmp.placement.problem import LayerProfile, PlacementProblem, ResourceType
+from hmp.placement.registry import PLANNERS, make_planner, replan
+from hmp.placement.rl import RLPlanner
+from hmp.placement.synthetic import random_problem
 
 pytestmark = pytest.mark.timeout(60)
 

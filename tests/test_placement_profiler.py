@@ -10,11 +10,11 @@ from torch import nn
 
 from hmp.errors import ConfigError
 from hmp.models import click_model, deep_mlp
-from hmp.sched.placement import cost_model
-from hmp.sched.placement.problem import NOT_MEASURED
-from hmp.sched.placement.profiler import example_input, measure_layers, problem_from_config, split_layers
-from hmp.sched.placement.registry import make_planner
-from hmp.sched.placement.spec import parse_spec
+from hmp.placement import cost_model
+from hmp.placement.problem import NOT_MEASURED
+from hmp.placement.profiler import example_input, measure_layers, problem_from_config, split_layers
+from hmp.placement.registry import make_planner
+from hmp.placement.spec import parse_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,7 +168,7 @@ def test_profile_rejects_a_batch_of_the_wrong_size():
 def test_message_overhead_reaches_the_problem():
     """The link's per-message overhead (default: the figure measured on this runtime) and the micro-batches reach
     the problem; a cut's cost is 2 * out_bytes / bandwidth + 2 * micro_batches * overhead."""
-    from hmp.sched.placement.spec import DEFAULT_MESSAGE_OVERHEAD_S
+    from hmp.placement.spec import DEFAULT_MESSAGE_OVERHEAD_S
 
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
     p = problem_from_config(config(), model)

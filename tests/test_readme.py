@@ -33,7 +33,7 @@ def test_readme_api_example_trains(tmp_path):
 
 def test_config_reference_is_current():
     """The README's configuration reference is exactly what ``python -m hmp.config`` generates from the code."""
-    from hmp.config import reference
+    from hmp.config.reference import reference
 
     text = (ROOT / "README.md").read_text()
     section = re.search(r"<!-- config-reference:[^\n]*-->\n(.*?)<!-- end config-reference -->", text, re.S)

@@ -23,11 +23,6 @@ from hmp.transport.codec import Limits
 from hmp.transport.endpoint import Client, Handler, Server
 
 
-def limits_of(cfg: Config) -> Limits:
-    lim = cfg.limits
-    return Limits(max_frames=lim.max_frames, max_message_bytes=lim.max_message_bytes, max_rank=lim.max_rank)
-
-
 class Node:
     """Base of the four daemons. Subclasses set ``role``, fill ``handlers()`` and write ``main()``."""
 
@@ -37,7 +32,7 @@ class Node:
         self.cfg = cfg
         self.node: NodeConfig = cfg.node(node_id)
         self.id = node_id
-        self.limits = limits_of(cfg)
+        self.limits = Limits.of(cfg.limits)
         self.log = structlog.get_logger("hmp").bind(role=self.node.role, node_id=node_id)
         self.stopping = asyncio.Event()
         self.failed: str | None = None

@@ -21,7 +21,7 @@ for _sig in (signal.SIGTERM, signal.SIGINT):
 import uvloop  # noqa: E402  (after the handlers above, on purpose)
 
 from hmp import log as hmp_log  # noqa: E402
-from hmp.config import env_overrides, load  # noqa: E402
+from hmp import job  # noqa: E402
 from hmp.errors import ConfigError, HmpError  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
 def _run(role: str, argv: list[str] | None = None) -> int:
     args = _parse(role, argv)
     try:
-        cfg = env_overrides(load(args.config))
+        cfg = job.with_env(job.load(args.config))
         node_cfg = cfg.node(args.id)
         if node_cfg.role != role:
             raise ConfigError(cfg.path, f"nodes[id={args.id}].role", f"role {role!r} for hmp-{role}, "

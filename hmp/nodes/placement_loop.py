@@ -18,14 +18,15 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from hmp.config import placement_table
+from hmp.placement.spec import spec_table
 from hmp.errors import HmpError
 from hmp.messages import StageAssign
+from hmp.models import build_model
 from hmp.pipeline.assign import StageWorkers, assign_workers, predicted_throughput, runnable
 from hmp.pipeline.schedule import total_steps
-from hmp.sched.placement.problem import PlacementProblem, Plan
-from hmp.sched.placement.profiler import reference_type
-from hmp.sched.placement.registry import make_planner, problem_from_config, replan
+from hmp.placement.problem import PlacementProblem, Plan
+from hmp.placement.profiler import reference_type
+from hmp.placement.registry import make_planner, problem_from_config, replan
 
 if TYPE_CHECKING:
     from hmp.nodes.scheduler import SchedulerNode
@@ -74,8 +75,6 @@ class PlacementLoop:
     async def run(self) -> None:
         node = self.node
         x = node.dataset.x_train[: self.cfg.train.batch_size]
-        from hmp.models import build_model
-
         model = build_model(self.cfg.model.name, **self.cfg.model.args)
         # Profile once the workers have joined: while they start (importing torch, loading data) the
         # shared cores are busy and layer times come out inflated and noisy.
@@ -83,7 +82,7 @@ class PlacementLoop:
         samples = float(self.cfg.train.epochs * len(node.dataset.y_train))
         try:
             self.problem = await asyncio.to_thread(
-                problem_from_config, placement_table(self.cfg, samples), model, x, path=self.cfg.path,
+                problem_from_config, spec_table(self.cfg, samples), model, x, path=self.cfg.path,
                 counts=self.counts(self.live_workers()), name=self.cfg.model.name)
         except (HmpError, ValueError) as exc:
             self.log.error("placement_failed", error=str(exc))

@@ -13,29 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hmp import job
 from hmp.config import Config
 from hmp.errors import RequestError
 from hmp.messages import Ack, Init, Kind, Leave, Message, Params, Pull, Push
 from hmp.nodes.base import Node
-from hmp.ps.plan import ModelPlan
+from hmp.ps.optim import chunk_optimizer_of
 from hmp.ps.shard_core import ShardCore
-
-
-def optimizer_of(cfg: Config) -> tuple[str, dict[str, Any]]:
-    """The shards' chunk optimizer. A sweep job's workers run the fused per-member optimizer
-    themselves and push parameter deltas, which the shards apply as plain SGD at lr 1."""
-    if cfg.sweep.members:
-        return "sgd", {"lr": 1.0}
-    return cfg.optimizer.name, optimizer_hyper(cfg)
-
-
-def optimizer_hyper(cfg: Config) -> dict[str, Any]:
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay, "nesterov": o.nesterov}
-    if o.name == "adam":
-        return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-    return {"lr": o.lr, "eps": o.eps, "weight_decay": o.weight_decay}
 
 
 class PSShardNode(Node):
@@ -43,10 +27,10 @@ class PSShardNode(Node):
 
     def __init__(self, cfg: Config, node_id: str, resume: bool = False) -> None:
         super().__init__(cfg, node_id)
-        plan = ModelPlan.from_config(cfg)
+        sharded = job.sharded_model(cfg)
         index = [s.id for s in cfg.shards].index(node_id)
-        initial = plan.initial_chunks(index)
-        self.core = ShardCore(node_id, initial, *optimizer_of(cfg), cfg.train.consistency, cfg.train.staleness)
+        initial = sharded.initial_chunks(index)
+        self.core = ShardCore(node_id, initial, *chunk_optimizer_of(cfg), cfg.train.consistency, cfg.train.staleness)
         self.core.live_workers = {w.id for w in cfg.workers}
         self.core.clock = {w.id: 0 for w in cfg.workers}
         ckdir = cfg.ps.checkpoint_dir or str(cfg.report_dir / "checkpoints")

@@ -19,12 +19,11 @@ from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config
 from hmp.errors import RequestError
 from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome, Work
-from hmp.jobdata import load_dataset_from_config
+from hmp import job
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
-from hmp.ps.plan import ModelPlan
 from hmp.report import RunReport, write_report
-from hmp.sched.batching import BatchPolicy, make_batch_policy
+from hmp.batching.policy import BatchPolicy, make_batch_policy
 from hmp.transport.endpoint import Client
 
 
@@ -56,10 +55,10 @@ class SchedulerNode(Node):
         self.policy: BatchPolicy = make_batch_policy(cfg)
         self.best_accuracy = 0.0
         self.best_test_loss = float("inf")
-        plan = ModelPlan.from_config(cfg)
-        self.report.placement = plan.report().as_dict()
+        sharded = job.sharded_model(cfg)
+        self.report.sharding = sharded.report().as_dict()
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
-        self.dataset = load_dataset_from_config(cfg)
+        self.dataset = job.dataset(cfg)
         # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
         self.work_epoch, self.work_cursor = 0, 0
         self.work_taken: dict[str, int] = {}

@@ -32,18 +32,18 @@ from typing import Any
 
 import torch
 
-from hmp.client import PSClient, evaluate
+from hmp.client import PSClient
+from hmp.train.evaluate import evaluate
 from hmp.config import Config
 from hmp.errors import HmpError
-from hmp.jobdata import load_dataset_from_config
+from hmp import job
 from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Report, StageAssign
 from hmp.nodes.base import Node
-from hmp.pipeline.layout import stage_chunk_keys
+from hmp.pipeline.chunks import stage_chunk_keys
 from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
 from hmp.pipeline.stage import StageCompute
-from hmp.ps.layout import chunk_views
-from hmp.ps.plan import ModelPlan
-from hmp.sched.placement.profiler import param_layers
+from hmp.flat import chunk_views
+from hmp.placement.profiler import param_layers
 from hmp.transport.endpoint import Client
 
 
@@ -54,13 +54,13 @@ class StagePSClient(PSClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._all_keys = list(self.shards)
-        layout, flat = self.plan.layout, self.plan.flat
+        layout, flat = self.sharded.layout, self.sharded.flat
         # The second buffer costs one more copy of the gradients' memory, no copying: each push
         # sends the chunks of the buffer it was made from, zero-copy.
         bufs = [flat.grads, {d: torch.zeros_like(b) for d, b in flat.grads.items()}]
         self._grad_sets = [chunk_views(b, layout.chunks) for b in bufs]
         self._param_grads = [layout.param_views(b) for b in bufs]
-        self._named = dict(self.plan.model.named_parameters())
+        self._named = dict(self.sharded.model.named_parameters())
         self.buffer = 0
 
     def use_buffer(self, i: int, names: Iterable[str] | None = None) -> None:
@@ -139,17 +139,17 @@ class StageWorkerNode(Node):
 
     # ---------------------------------------------------------------- main
     async def main(self) -> None:
-        self.data = load_dataset_from_config(self.cfg)
-        self.model_plan = ModelPlan.from_config(self.cfg)
+        self.data = job.dataset(self.cfg)
+        self.sharded = job.sharded_model(self.cfg)
         # One untimed pass before joining: first calls initialise kernels and autograd, which on a busy
         # machine can stall the event loop past the heartbeat limit once training has started.
-        self.model_plan.model(self.data.x_train[:2]).sum().backward()
-        self.model_plan.flat.zero_grad()
+        self.sharded.model(self.data.x_train[:2]).sum().backward()
+        self.sharded.flat.zero_grad()
         welcome = await self.join()
         if welcome is None:
             return
         shards = [tuple(s) for s in welcome.info["shards"]]
-        self.ps = StagePSClient(self.model_plan, shards, name=self.id, cfg=self.cfg,
+        self.ps = StagePSClient(self.sharded, shards, name=self.id, cfg=self.cfg,
                                 timeout_s=self.cfg.limits.request_timeout_s)
         await self.ps.connect()
         self.order = ExampleOrder(len(self.data.y_train), self.cfg.train.batch_size,
@@ -227,10 +227,10 @@ class StageWorkerNode(Node):
             self.ps.restrict(())
             self.log.info("standby", plan=a.plan)
             return
-        self.compute = StageCompute(self.model_plan.model, a.start, a.stop)
-        owner = param_layers(self.model_plan.model)
+        self.compute = StageCompute(self.sharded.model, a.start, a.stop)
+        owner = param_layers(self.sharded.model)
         self.stage_params = tuple(n for n, i in owner.items() if a.start <= i < a.stop)
-        self.ps.restrict(stage_chunk_keys(self.model_plan.layout, a.start, a.stop, owner))
+        self.ps.restrict(stage_chunk_keys(self.sharded.layout, a.start, a.stop, owner))
         await self.ps.pull()  # this stage's parameters, from the shards
         self.step_mbs = micro_batches_of(a.index, a.width, a.micro_batches)
         self.done_mbs = set()
@@ -423,7 +423,7 @@ class StageWorkerNode(Node):
         """Test accuracy of the whole model as the shards hold it now (a separate replica)."""
         if not hasattr(self, "eval_ps"):
             shards = [(sid, c.address) for sid, c, _ in self.ps._all_keys]
-            self.eval_ps = PSClient(ModelPlan.from_config(self.cfg), shards, name=f"{self.id}-eval", cfg=self.cfg)
+            self.eval_ps = PSClient(job.sharded_model(self.cfg), shards, name=f"{self.id}-eval", cfg=self.cfg)
             await self.eval_ps.connect()
         await self.eval_ps.pull()
         return await asyncio.to_thread(evaluate, self.eval_ps.model, self.data.x_test, self.data.y_test)

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from hmp.client import PSClient, evaluate, evaluate_sweep
+from hmp.client import PSClient
+from hmp.train.evaluate import evaluate, evaluate_sweep
+from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
 from hmp.config import Config
-from hmp.jobdata import load_dataset_from_config
+from hmp import job
 from hmp.errors import HmpError, RemoteError
 from hmp.messages import Assign, Report, Work
 from hmp.nodes.base import Node
-from hmp.ps.plan import ModelPlan
 
 
 def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
@@ -53,15 +54,15 @@ class WorkerNode(Node):
     async def main(self) -> None:
         # Blocking set-up (imports, data, model) happens before joining: once joined, the
         # scheduler expects heartbeats.
-        data = load_dataset_from_config(self.cfg)
-        plan = ModelPlan.from_config(self.cfg, self.device)
+        data = job.dataset(self.cfg)
+        sharded = job.sharded_model(self.cfg, self.device)
         welcome = await self.join()
         if welcome is None:
             return
         hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
         info = welcome.info
         self.batch_size = int(info.get("batch_size") or self.batch_size)
-        ps = PSClient(plan, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
+        ps = PSClient(sharded, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
                       timeout_s=self.cfg.limits.request_timeout_s)
         await ps.connect()
         try:
@@ -196,7 +197,7 @@ class WorkerNode(Node):
             self.next_report = now + self.cfg.train.report_interval_s
 
     async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:
-        if self.node.hogwild_threads > 1 and ps.plan.array is None:
+        if self.node.hogwild_threads > 1 and ps.sharded.array is None:
             await self.train_hogwild(ps, data, index, count)
             return
         model = ps.model
@@ -208,7 +209,7 @@ class WorkerNode(Node):
         self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device),
                       data="first-come-first-served" if self.first_come_first_served else "static slice")
         ema = None
-        array, flat = ps.plan.array, ps.plan.flat
+        array, flat = ps.sharded.array, ps.sharded.flat
         # Sweep: the values before the step, to push the step's delta (a copy by necessity).
         before = {d: torch.empty_like(t) for d, t in flat.params.items()} if array is not None else {}
         async for idx in self.batches(len(y), index, count):
@@ -242,8 +243,8 @@ class WorkerNode(Node):
             self.metrics.update(self.evaluate(ps, data))
 
     def evaluate(self, ps: PSClient, data: Any) -> dict[str, float]:
-        if ps.plan.array is not None:
-            return evaluate_sweep(ps.plan.array, data.x_test, data.y_test)
+        if ps.sharded.array is not None:
+            return evaluate_sweep(ps.sharded.array, data.x_test, data.y_test)
         return evaluate(ps.model, data.x_test, data.y_test)
 
     async def train_hogwild(self, ps: PSClient, data: Any, index: int, count: int) -> None:
@@ -252,9 +253,7 @@ class WorkerNode(Node):
         accumulator; meanwhile this task pushes the accumulated sum to the PS every few
         updates and the reply's values overwrite the replica (racing the threads, as Hogwild
         updates race each other). The PS applies the sum: every thread's update reaches it."""
-        from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
-
-        flat = ps.plan.flat
+        flat = ps.sharded.flat
         if len(flat.grads) != 1:
             raise HmpError("hogwild_threads > 1 needs a model with one parameter dtype")
         (grad_buf,) = flat.grads.values()

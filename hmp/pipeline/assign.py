@@ -13,8 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hmp.sched.placement import cost_model
-from hmp.sched.placement.problem import PlacementProblem, Plan
+from hmp.placement import cost_model
+from hmp.placement.problem import PlacementProblem, Plan
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hmp.sched.placement.profiler import split_layers, stage_module
+from hmp.placement.profiler import split_layers, stage_module
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hmp.errors import RequestError
-from hmp.kernels.optim import accumulate, make_chunk_optimizer, scale_
+from hmp.ps.optim import accumulate, make_chunk_optimizer, scale_
 
 
 @dataclasses.dataclass

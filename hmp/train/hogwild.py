@@ -40,7 +40,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from hmp.sched.hogbatch import WorkerReport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -110,12 +109,6 @@ class HogwildStats:
         """Share of the threads' wall time spent computing, in [0, 1]."""
         span = self.wall_s * len(self.threads)
         return min(1.0, self.busy_s / span) if span > 0 else 0.0
-
-    def to_report(self, worker_id: str, time_s: float, kind: str = "cpu", updates_before: int = 0) -> WorkerReport:
-        """This run as a scheduler report; ``updates_before`` is added to make the count
-        cumulative across runs."""
-        return WorkerReport(worker_id, kind, self.samples_per_s, updates_before + self.updates,
-                            self.mean_loss, self.busy_fraction, self.batch_size, time_s)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

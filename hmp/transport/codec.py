@@ -75,6 +75,12 @@ class Limits:
     max_rank: int = 8
     max_string: int = 1 << 16  #: characters in any header string
 
+    @classmethod
+    def of(cls, settings: Any) -> Limits:
+        """The limits a job's ``[limits]`` section (any object with these attributes) sets."""
+        return cls(max_frames=settings.max_frames, max_message_bytes=settings.max_message_bytes,
+                   max_rank=settings.max_rank)
+
 
 DEFAULT_LIMITS = Limits()
 

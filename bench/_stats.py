@@ -1,0 +1,79 @@
+"""Small statistics shared by the benchmarks: summaries, paired per-block ratios, machine load.
+
+A benchmark that compares two peers runs them in short alternating blocks (A, B, B, A, A, B, ...)
+with both peers' processes set up once; each pair of adjacent blocks gives one ratio, so that slow
+drifts of the machine (frequency, other tenants, page cache) cancel within the pair. The headline
+ratio is the median of those per-pair ratios; its spread (min, quartiles, max) says how far one
+pair may stray, and the relative IQR how tight the median is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs`` with linear interpolation (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("quantile of no values")
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summary(xs: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """``{"n", "min", "p25", "median", "p75", "max"}`` of ``xs``, rounded to ``digits``."""
+    xs = [float(x) for x in xs]
+    if not xs:
+        return {"n": 0}
+    return {"n": len(xs), "min": round(min(xs), digits), "p25": round(quantile(xs, 0.25), digits),
+            "median": round(quantile(xs, 0.5), digits), "p75": round(quantile(xs, 0.75), digits),
+            "max": round(max(xs), digits)}
+
+
+def spread(xs: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """:func:`summary` plus ``rel_iqr`` ((p75 - p25) / median) and ``rel_range`` ((max - min) / median)."""
+    s = summary(xs, digits)
+    if s["n"] and s["median"]:
+        xs = [float(x) for x in xs]
+        med = quantile(xs, 0.5)
+        s["rel_iqr"] = round((quantile(xs, 0.75) - quantile(xs, 0.25)) / med, 3)
+        s["rel_range"] = round((max(xs) - min(xs)) / med, 3)
+    return s
+
+
+def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """Element-wise ``num[i] / den[i]`` of two per-block series of the same length (paired blocks)."""
+    if len(num) != len(den):
+        raise ValueError(f"paired series differ in length: {len(num)} vs {len(den)}")
+    return [a / b for a, b in zip(num, den)]
+
+
+def alternate(order: Sequence[str], cycle: int) -> list[str]:
+    """The peers' order in one cycle: as given in even cycles, reversed in odd ones.
+
+    Peers listed next to each other stay next to each other (one pair of adjacent blocks per cycle)
+    while each takes the first and the second place equally often, so that neither gains from
+    coming first (warm caches, a just-idle core) or last.
+    """
+    return list(order) if cycle % 2 == 0 else list(reversed(order))
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def fmt_spread(s: dict[str, Any], fmt: str = ".3f") -> str:
+    """``median [min .. max] (IQR p25-p75, n=N)`` for a table row."""
+    if not s.get("n"):
+        return "-"
+    return (f"{s['median']:{fmt}} [{s['min']:{fmt}} .. {s['max']:{fmt}}] "
+            f"(IQR {s['p25']:{fmt}}-{s['p75']:{fmt}}, n={s['n']})")

@@ -1,0 +1,99 @@
+"""The scheduler's bridge to the Hogbatch policies (:mod:`hmp.batching.hogbatch`).
+
+Workers report cumulative counters; the policies want per-interval rates. This adapter keeps each
+worker's previous report, turns the difference into a :class:`WorkerReport` and returns the
+policy's batch size and data share for the reporting worker. Knobs the config leaves out default
+from the topology: ``sync`` takes ``[train] batch_size``; ``hogbatch`` takes the CPU and GPU
+workers' configured batch sizes; ``adaptive`` takes the CPU worker's as ``base_batch`` and
+the GPU worker's as ``initial_gpu_batch`` (its batch until its speed is measured).
+
+Speeds are measured on *compute* time by default (``policy_args.speed = "compute"``): examples per
+second spent in forward/backward (the worker's ``busy_s``), not per wall-clock second. With a fixed
+cost per update (the push/pull round trip), wall-clock speed grows with the batch size itself, so
+Adaptive Hogbatch, which sizes batches in proportion to speed, fed its own output back and grew the
+GPU batch without bound (bench/hogbatch.py, docs/hogbatch.md). Compute speed is a property of the
+device and the model, as the paper's rule assumes. ``speed = "wall"`` restores the old measure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hmp.config import Config
+from hmp.errors import ConfigError
+from hmp.batching.hogbatch import WorkerReport, make_policy
+
+
+def _kind(role: str) -> str:
+    return "gpu" if role == "gpu_worker" else "cpu"
+
+
+def default_knobs(cfg: Config) -> dict[str, Any]:
+    sizes = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
+    cpu = [sizes[w.id] for w in cfg.workers if w.role == "cpu_worker"] or [cfg.train.batch_size]
+    gpu = [sizes[w.id] for w in cfg.workers if w.role == "gpu_worker"] or [max(cpu)]
+    if cfg.train.policy == "sync":
+        return {"batch_size": cfg.train.batch_size}
+    if cfg.train.policy == "hogbatch":
+        return {"cpu_batch": min(cpu), "gpu_batch": max(gpu)}
+    return {"base_batch": min(cpu), "max_batch": max(4096, max(gpu)), "initial_gpu_batch": max(gpu)}
+
+
+class HogbatchAdapter:
+    """``initial / update / forget`` for the scheduler, backed by one Hogbatch policy."""
+
+    def __init__(self, cfg: Config) -> None:
+        knobs = {**default_knobs(cfg), **cfg.train.policy_args}
+        self.speed_basis = knobs.pop("speed", "compute")
+        if self.speed_basis not in ("compute", "wall"):
+            raise ConfigError(cfg.path, "train.policy_args.speed", f'"compute" or "wall", got {self.speed_basis!r}')
+        try:
+            self.policy = make_policy(cfg.train.policy, **knobs)
+        except ValueError as exc:
+            raise ConfigError(cfg.path, "train.policy_args", str(exc)) from None
+        self.kinds = {w.id: _kind(w.role) for w in cfg.workers}
+        self.configured = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
+        self.default_batch = cfg.train.batch_size
+        self.assignments = self.policy.initial(list(self.kinds.items()))
+        self.last: dict[str, tuple[float, float, float]] = {}  # worker -> (time, samples, busy)
+
+    def initial(self, worker_id: str) -> int:
+        a = self.assignments.get(worker_id)
+        if a is not None:
+            return a.batch_size
+        # Not among the policy's live workers: dropped as stale before it joined (stale_after_s),
+        # or forgotten and now rejoining. It starts at its configured batch; its first report
+        # registers it with the policy again (a late join).
+        return self.configured.get(worker_id, self.default_batch)
+
+    def update(self, worker_id: str, metrics: dict[str, float], now_s: float) -> tuple[int, float]:
+        samples = metrics.get("samples", 0.0)
+        busy = metrics.get("busy_s", 0.0)
+        t_prev, s_prev, b_prev = self.last.get(worker_id, (0.0, 0.0, 0.0))
+        self.last[worker_id] = (now_s, samples, busy)
+        dt = now_s - t_prev
+        busy_dt = busy - b_prev
+        if dt > 0 and samples > s_prev:
+            loss = metrics.get("loss", math.nan)
+            # Compute speed when the worker measured busy time for this interval (see the module doc).
+            per_s = busy_dt if self.speed_basis == "compute" and busy_dt > 0 else dt
+            report = WorkerReport(
+                worker_id=worker_id, kind=self.kinds.get(worker_id, "cpu"), samples_per_s=(samples - s_prev) / per_s,
+                updates=int(metrics.get("updates", 0)), loss=float(loss) if loss == loss else math.nan,
+                busy_fraction=min(1.0, max(0.0, busy_dt / dt)),
+                batch_size=max(1, int(metrics.get("batch_size", 1))), time_s=now_s)
+            self.assignments = self.policy.update([report], now_s)
+        a = self.assignments.get(worker_id)
+        return (a.batch_size, a.data_share) if a else (int(metrics.get("batch_size", 1)), 0.0)
+
+    def forget(self, worker_id: str) -> None:
+        if worker_id in self.assignments:
+            self.assignments = self.policy.forget(worker_id)
+
+
+def check_config(cfg: Config) -> None:
+    """``[train] policy_args``: the Hogbatch policies' knobs, judged by the policies themselves
+    (raises ConfigError naming ``train.policy_args``)."""
+    if cfg.train.policy in ("sync", "hogbatch", "adaptive"):
+        HogbatchAdapter(cfg)

@@ -1,0 +1,471 @@
+"""Job topology and settings: TOML files loaded into frozen dataclasses.
+
+The one place config is read. Every error names the file, the key and what was expected
+(:class:`~hmp.errors.ConfigError`). Environment overrides are read in :func:`env_overrides` only
+and listed in the README's config reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from hmp.errors import ConfigError
+
+
+
+class Role(enum.StrEnum):
+    """What a daemon of the topology is (``[[nodes]] role``)."""
+
+    SCHEDULER = "scheduler"
+    PS = "ps"
+    CPU_WORKER = "cpu_worker"
+    GPU_WORKER = "gpu_worker"
+
+
+class Consistency(enum.StrEnum):
+    """How PS shards order workers' updates (``[train] consistency``)."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+    SSP = "ssp"
+
+
+class BatchPolicyKind(enum.StrEnum):
+    """How the scheduler sizes workers' batches (``[train] policy``; docs/hogbatch.md)."""
+
+    STATIC = "static"
+    SYNC = "sync"
+    HOGBATCH = "hogbatch"
+    ADAPTIVE = "adaptive"
+
+
+ROLES = tuple(Role)
+WORKER_ROLES = (Role.CPU_WORKER, Role.GPU_WORKER)
+CONSISTENCY = tuple(Consistency)
+#: hmp.placement.registry.PLANNERS' names (not imported here: the registry imports torch)
+PLANNER_NAMES = ("bruteforce", "greedy", "random", "ga", "rl")
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return dataclasses.field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """One daemon of the topology."""
+
+    id: str = _field("", "unique node id, e.g. 'ps0'")
+    role: str = _field("", f"one of {', '.join(ROLES)}")
+    host: str = _field("127.0.0.1", "host the launcher starts this daemon on")
+    bind: str = _field("tcp://127.0.0.1:0", "ZeroMQ address to bind (port 0: the OS picks one)")
+    advertise: str = _field("", "address peers dial; empty: the bound address")
+    device: str = _field("", "workers: 'cpu' or 'cuda[:N]'; empty: cpu for cpu_worker, cuda for gpu_worker")
+    batch_size: int = _field(0, "workers: initial batch size; 0 takes [train] batch_size")
+    threads: int = _field(1, "torch intra-op threads for this process (daemons share the cores)")
+    hogwild_threads: int = _field(1, "cpu_worker: lock-free training threads on the local replica")
+    resource: str = _field("", "workers, [placement] jobs: the resource type this worker is (a [placement] "
+                               "resources name); empty: its role")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = _field("digits_mlp", "model factory in hmp.models (digits_mlp, click_model, deep_mlp)")
+    args: dict = _field({}, "keyword arguments for the factory")
+    seed: int = _field(0, "seed for the initial parameters (every node builds the same model)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    kind: str = _field("digits", "digits | click | svmlight | npz")
+    path: str = _field("", "svmlight/npz: the file (relative paths: to the config file)")
+    test_path: str = _field("", "svmlight: an optional separate test file")
+    test_fraction: float = _field(0.2, "held-out fraction when the data has no test split")
+    samples: int = _field(20000, "click: examples to generate")
+    args: dict = _field({}, "extra loader arguments")
+    seed: int = _field(0, "split / generation seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = _field("sgd", "sgd | adam | adagrad (applied per chunk on the PS)")
+    lr: float = _field(0.05, "learning rate")
+    momentum: float = _field(0.0, "sgd momentum")
+    nesterov: bool = _field(False, "sgd nesterov momentum")
+    weight_decay: float = _field(0.0, "L2 weight decay")
+    betas: list = _field([0.9, 0.999], "adam betas")
+    eps: float = _field(1e-8, "adam/adagrad epsilon")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    consistency: str = _field("async", f"one of {', '.join(CONSISTENCY)}")
+    staleness: int = _field(3, "ssp: how many updates a worker may run ahead of the slowest")
+    batch_size: int = _field(32, "default batch size per worker")
+    epochs: int = _field(20, "passes over each worker's data shard (upper bound)")
+    target_accuracy: float = _field(0.0, "stop once the test accuracy reaches this (0: run all epochs)")
+    target_loss: float = _field(0.0, "stop once worker 0's test loss falls to this (0: no loss target)")
+    max_seconds: float = _field(600.0, "stop the job after this long (seconds)")
+    eval_every_s: float = _field(1.0, "how often worker 0 measures test accuracy (seconds)")
+    report_interval_s: float = _field(0.5, "how often workers report to the scheduler (seconds)")
+    policy: str = _field("static", "batch sizing: static | sync | hogbatch | adaptive")
+    policy_args: dict = _field({}, "policy knobs (see docs/hogbatch.md)")
+    work_unit_batches: int = _field(4, "hogbatch/adaptive: batches per first-come-first-served work unit")
+
+
+@dataclasses.dataclass(frozen=True)
+class PSConfig:
+    chunk_bytes: int = _field(1 << 20, "parameter chunk size (bytes); chunks are spread over the shards")
+    checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: only at shutdown)")
+    checkpoint_dir: str = _field("", "where shards write checkpoints; empty: <report_dir>/checkpoints")
+    reject_nonfinite: bool = _field(True, "shards refuse pushes holding NaN or infinite values (error "
+                                          "non_finite) instead of applying them; costs one sum over each push")
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitsConfig:
+    frame_bytes: int = _field(1 << 26, "tensors are cut into frames of at most this many bytes; a tensor in one "
+                                       "frame is received as a view, a split one is copied together once")
+    tune_malloc: bool = _field(True, "daemons keep freed receive buffers mapped (glibc mallopt) so large frames "
+                                     "do not page-fault; see hmp.transport.endpoint.tune_malloc")
+    max_frames: int = _field(4096, "data frames per message")
+    max_message_bytes: int = _field(1 << 30, "tensor bytes per message")
+    max_rank: int = _field(8, "tensor rank")
+    request_timeout_s: float = _field(60.0, "a request without reply fails after this (seconds)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    members: list = _field([], "HFTA sweep: one table of optimizer settings per member (lr, momentum, "
+                               "weight_decay, betas, ...); empty: not a sweep job")
+    optimizer: str = _field("sgd", "sweep: fused optimizer of the members (sgd | adam | adamw)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    enabled: bool = _field(False, "run the job as a planned pipeline of stages (docs/pipeline.md)")
+    planner: str = _field("bruteforce", "planner name in hmp.placement.registry (bruteforce, greedy, "
+                                        "random, ga, rl)")
+    resources: list = _field([], "resource types: tables with name, price_per_hour and optionally measured "
+                                 "(true/false/\"auto\"), device, speed_scale (number or {kind: factor}), overhead_s, "
+                                 "times_s (docs/placement.md); the count is the joined workers of the type")
+    bandwidth_bytes_per_s: float = _field(1e9, "link bandwidth between stages the cost model assumes")
+    message_overhead_s: float = _field(1.2e-4, "fixed seconds per message across a stage boundary the cost model "
+                                               "adds (one each way per micro-batch); the default was measured on "
+                                               "this runtime over loopback")
+    min_throughput: float = _field(100.0, "samples/s the planned pipeline must sustain")
+    micro_batches: int = _field(4, "micro-batches per step (GPipe fill/drain); a stage uses at most this many "
+                                   "workers")
+    min_gain: float = _field(0.1, "re-planning keeps the running plan unless the new one is cheaper by this "
+                                  "fraction")
+    profile_repeats: int = _field(5, "timed forward+backward passes per layer when profiling")
+    join_wait_s: float = _field(10.0, "after the first worker joins, plan once every worker has joined or "
+                                      "after this long")
+    use_spare_workers: bool = _field(True, "workers the plan does not need join the busiest stage of their "
+                                           "type (data parallel within the stage)")
+    overlap_push: bool = _field(True, "a stage starts the next step while the PS applies its push; the new values "
+                                      "are taken at the next point with no saved graph (staleness <= 1 step); "
+                                      "false: wait for them (docs/pipeline.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    name: str = _field("job", "job name, used in logs and the report")
+    report_dir: str = _field("runs/{name}", "where the run report goes (relative: to the working dir)")
+    heartbeat_interval_s: float = _field(0.5, "nodes heartbeat this often; 3 missed = lost")
+    join_timeout_s: float = _field(60.0, "how long the scheduler waits for every node to join")
+    log_format: str = _field("auto", "auto | console | json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole job: topology plus settings. ``path`` is the file it came from."""
+
+    path: str
+    job: JobConfig
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    ps: PSConfig
+    limits: LimitsConfig
+    sweep: SweepConfig
+    nodes: tuple[NodeConfig, ...]
+    placement: PlacementConfig = PlacementConfig()
+
+    def node(self, node_id: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise ConfigError(self.path, "nodes", f"no node with id {node_id!r}; ids are {[n.id for n in self.nodes]}")
+
+    def by_role(self, *roles: str) -> list[NodeConfig]:
+        return [n for n in self.nodes if n.role in roles]
+
+    @property
+    def scheduler(self) -> NodeConfig:
+        return self.by_role("scheduler")[0]
+
+    @property
+    def workers(self) -> list[NodeConfig]:
+        return self.by_role(*WORKER_ROLES)
+
+    @property
+    def shards(self) -> list[NodeConfig]:
+        return self.by_role("ps")
+
+    @property
+    def report_dir(self) -> Path:
+        return Path(self.job.report_dir.format(name=self.job.name))
+
+    def resolve(self, p: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        q = Path(p)
+        return q if q.is_absolute() else Path(self.path).resolve().parent / q
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
+                             "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
+                             "sweep": SweepConfig, "placement": PlacementConfig}
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "an array",
+            dict: "a table"}.get(t, str(t))
+
+
+def _convert(path: str, key: str, value: Any, typ: Any) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(path, key, f"expected {_type_name(typ)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, table: Any, path: str, prefix: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(path, prefix, "expected a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(path, f"{prefix}.{unknown[0]}", f"unknown key; expected one of {sorted(fields)}")
+    kwargs = {k: _convert(path, f"{prefix}.{k}", v, hints[k]) for k, v in table.items()}
+    return cls(**kwargs)
+
+
+def loads(text: str, path: str = "<string>") -> Config:
+    """Parse TOML text into a validated :class:`Config`."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "<file>", f"valid TOML ({exc})") from None
+    allowed = set(SECTIONS) | {"nodes"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(path, unknown[0], f"unknown section; expected one of {sorted(allowed)}")
+    sections = {name: _build(cls, raw.get(name, {}), path, name) for name, cls in SECTIONS.items()}
+    nodes_raw = raw.get("nodes")
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise ConfigError(path, "nodes", "an array of tables ([[nodes]]) with at least one node per role")
+    nodes = tuple(_build(NodeConfig, n, path, f"nodes[{i}]") for i, n in enumerate(nodes_raw))
+    cfg = Config(path=path, nodes=nodes, **sections)
+    validate(cfg)
+    return _typed(cfg)
+
+
+def _typed(cfg: Config) -> Config:
+    """The validated names as their enums (a StrEnum equals its string, so either may be compared)."""
+    t = cfg.train
+    return cfg.replace(nodes=tuple(dataclasses.replace(n, role=Role(n.role)) for n in cfg.nodes),
+                       train=dataclasses.replace(t, consistency=Consistency(t.consistency),
+                                                 policy=BatchPolicyKind(t.policy)))
+
+
+def load(path: str | os.PathLike) -> Config:
+    """Load and validate a TOML config file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(str(p), "<file>", f"a readable file ({exc.strerror})") from None
+    return loads(text, str(p))
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks: roles, unique ids and addresses, value ranges."""
+    p = cfg.path
+    seen_ids: dict[str, int] = {}
+    seen_bind: dict[str, int] = {}
+    for i, n in enumerate(cfg.nodes):
+        k = f"nodes[{i}]"
+        if not n.id:
+            raise ConfigError(p, f"{k}.id", "a non-empty node id")
+        if n.role not in ROLES:
+            raise ConfigError(p, f"{k}.role", f"one of {[str(r) for r in ROLES]}, got {n.role!r}")
+        if n.id in seen_ids:
+            raise ConfigError(p, f"{k}.id", f"a unique id; {n.id!r} is also nodes[{seen_ids[n.id]}]")
+        seen_ids[n.id] = i
+        if not n.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(p, f"{k}.bind", f"a tcp://, ipc:// or inproc:// address, got {n.bind!r}")
+        if not n.bind.endswith(":0"):
+            if n.bind in seen_bind:
+                raise ConfigError(p, f"{k}.bind", f"a unique address; {n.bind!r} is also nodes[{seen_bind[n.bind]}]")
+            seen_bind[n.bind] = i
+        if n.threads < 1:
+            raise ConfigError(p, f"{k}.threads", "an integer >= 1")
+        if n.hogwild_threads < 1:
+            raise ConfigError(p, f"{k}.hogwild_threads", "an integer >= 1")
+        if n.batch_size < 0:
+            raise ConfigError(p, f"{k}.batch_size", "an integer >= 0")
+        if n.device and not (n.device == "cpu" or n.device.startswith("cuda")):
+            raise ConfigError(p, f"{k}.device", f"'cpu' or 'cuda[:N]', got {n.device!r}")
+    for role in ROLES:
+        count = len(cfg.by_role(role))
+        if role == "scheduler" and count != 1:
+            raise ConfigError(p, "nodes", f"exactly one node with role 'scheduler', found {count}")
+        if role == "ps" and count < 1:
+            raise ConfigError(p, "nodes", "at least one node with role 'ps'")
+    if not cfg.workers:
+        raise ConfigError(p, "nodes", "at least one node with role 'cpu_worker' or 'gpu_worker'")
+    sched = cfg.scheduler
+    if sched.bind.endswith(":0") and not sched.advertise:
+        raise ConfigError(p, f"nodes[{seen_ids[sched.id]}].bind", "a fixed address for the scheduler (the rendezvous point)")
+    t = cfg.train
+    if t.consistency not in CONSISTENCY:
+        raise ConfigError(p, "train.consistency", f"one of {[str(c) for c in CONSISTENCY]}, got {t.consistency!r}")
+    if t.policy not in tuple(BatchPolicyKind):
+        raise ConfigError(p, "train.policy", f"one of {[str(k) for k in BatchPolicyKind]}, got {t.policy!r}")
+    if t.policy == "sync" and t.consistency != "sync":
+        raise ConfigError(p, "train.consistency", "\"sync\" when train.policy is \"sync\" (bulk-synchronous SGD)")
+    if t.work_unit_batches < 1:
+        raise ConfigError(p, "train.work_unit_batches", "an integer >= 1")
+    if t.staleness < 0:
+        raise ConfigError(p, "train.staleness", "an integer >= 0")
+    if t.batch_size < 1:
+        raise ConfigError(p, "train.batch_size", "an integer >= 1")
+    if t.epochs < 1:
+        raise ConfigError(p, "train.epochs", "an integer >= 1")
+    if not 0.0 <= t.target_accuracy <= 1.0:
+        raise ConfigError(p, "train.target_accuracy", "a number in [0, 1]")
+    if cfg.optimizer.name not in ("sgd", "adam", "adagrad"):
+        raise ConfigError(p, "optimizer.name", f"one of ['sgd', 'adam', 'adagrad'], got {cfg.optimizer.name!r}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(p, "optimizer.lr", "a number > 0")
+    if cfg.data.kind not in ("digits", "click", "svmlight", "npz"):
+        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'svmlight', 'npz'], got {cfg.data.kind!r}")
+    if cfg.data.kind in ("svmlight", "npz") and not cfg.data.path:
+        raise ConfigError(p, "data.path", f"a file path for data.kind = {cfg.data.kind!r}")
+    if cfg.sweep.members:
+        if not all(isinstance(m, dict) for m in cfg.sweep.members):
+            raise ConfigError(p, "sweep.members", "an array of tables, one per member")
+        if cfg.sweep.optimizer not in ("sgd", "adam", "adamw"):
+            raise ConfigError(p, "sweep.optimizer", f"one of ['sgd', 'adam', 'adamw'], got {cfg.sweep.optimizer!r}")
+        if t.consistency != "async":
+            raise ConfigError(p, "train.consistency", "\"async\" for a sweep job (workers push parameter deltas)")
+    if cfg.ps.chunk_bytes < 64:
+        raise ConfigError(p, "ps.chunk_bytes", "an integer >= 64")
+    if cfg.limits.frame_bytes < 64:
+        raise ConfigError(p, "limits.frame_bytes", "an integer >= 64")
+    if cfg.job.log_format not in ("auto", "console", "json"):
+        raise ConfigError(p, "job.log_format", "one of ['auto', 'console', 'json']")
+    _validate_ranges(cfg)
+    _validate_placement(cfg)
+    if t.policy == "static" and t.policy_args:
+        raise ConfigError(p, "train.policy_args", "no knobs for train.policy = \"static\" (it keeps each "
+                                                  f"worker's configured batch), got {t.policy_args!r}")
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Numbers that only make sense in a range, and addresses a socket can bind."""
+    p = cfg.path
+    positive = {"limits.max_frames": cfg.limits.max_frames, "limits.max_message_bytes": cfg.limits.max_message_bytes,
+                "limits.max_rank": cfg.limits.max_rank, "limits.request_timeout_s": cfg.limits.request_timeout_s,
+                "job.heartbeat_interval_s": cfg.job.heartbeat_interval_s, "job.join_timeout_s": cfg.job.join_timeout_s,
+                "train.max_seconds": cfg.train.max_seconds}
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(p, key, f"a number > 0, got {value!r}")
+    d = cfg.data
+    # digits and click are always split, svmlight without a test file too; npz may carry its own
+    # test arrays (then the fraction is unused), so there only the range is checked.
+    always_split = d.kind in ("digits", "click") or (d.kind == "svmlight" and not d.test_path)
+    if not 0.0 <= d.test_fraction < 1.0 or (always_split and d.test_fraction == 0.0):
+        allowed = "(0, 1)" if always_split else "[0, 1) (0: the data file must hold its own test split)"
+        raise ConfigError(p, "data.test_fraction", f"a number in {allowed}, got {d.test_fraction!r}")
+    betas = cfg.optimizer.betas
+    if not (len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                    for b in betas)):
+        raise ConfigError(p, "optimizer.betas", f"two numbers in [0, 1), got {betas!r}")
+    for i, n in enumerate(cfg.nodes):
+        for key in ("bind", "advertise"):
+            address = getattr(n, key)
+            if address.startswith("tcp://"):
+                host, _, port = address[len("tcp://"):].rpartition(":")
+                if not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+                    raise ConfigError(p, f"nodes[{i}].{key}", f"tcp://HOST:PORT with a port in 0-65535 or *, "
+                                                              f"got {address!r}")
+
+
+def _validate_placement(cfg: Config) -> None:
+    """[placement]: the runtime's keys. The planner's keys (resources, link, demand) are checked by the
+    planner's own ``hmp.placement.spec.check_config`` (see :func:`hmp.job.check`)."""
+    p, pl = cfg.path, cfg.placement
+    if not pl.enabled:
+        return
+    if cfg.sweep.members:
+        raise ConfigError(p, "placement.enabled", "false for a [sweep] job")
+    if cfg.train.consistency != "async":
+        raise ConfigError(p, "train.consistency", "\"async\" for a [placement] job (stages push their own chunks "
+                                                  "at their own pace)")
+    if not pl.resources:
+        raise ConfigError(p, "placement.resources", "at least one resource table when placement is enabled")
+    if pl.planner not in PLANNER_NAMES:
+        raise ConfigError(p, "placement.planner", f"one of {list(PLANNER_NAMES)}, got {pl.planner!r}")
+    if pl.micro_batches < 1:
+        raise ConfigError(p, "placement.micro_batches", "an integer >= 1")
+    if cfg.train.batch_size % pl.micro_batches:
+        raise ConfigError(p, "train.batch_size", f"a multiple of placement.micro_batches ({pl.micro_batches})")
+    if not 0.0 <= pl.min_gain < 1.0:
+        raise ConfigError(p, "placement.min_gain", "a fraction in [0, 1)")
+    if pl.join_wait_s < 0:
+        raise ConfigError(p, "placement.join_wait_s", "a number >= 0")
+
+#: environment variable -> (section, key); the only environment overrides hmp reads.
+ENV_OVERRIDES = {
+    "HMP_MAX_SECONDS": ("train", "max_seconds"),
+    "HMP_REPORT_DIR": ("job", "report_dir"),
+    "HMP_LOG_FORMAT": ("job", "log_format"),
+}
+
+
+def env_overrides(cfg: Config, environ: typing.Mapping[str, str] | None = None) -> Config:
+    """Apply the HMP_* environment overrides listed in :data:`ENV_OVERRIDES`."""
+    environ = os.environ if environ is None else environ
+    for var, (section, key) in ENV_OVERRIDES.items():
+        if var in environ:
+            sec = getattr(cfg, section)
+            typ = typing.get_type_hints(type(sec))[key]
+            try:
+                value = typ(environ[var])
+            except ValueError:
+                raise ConfigError(f"${var}", f"{section}.{key}", f"{_type_name(typ)}, got {environ[var]!r}") from None
+            cfg = cfg.replace(**{section: dataclasses.replace(sec, **{key: value})})
+    used = [f"${var}" for var in ENV_OVERRIDES if var in environ]
+    if used:
+        try:
+            validate(cfg)  # an override is checked like the file's own value
+        except ConfigError as exc:
+            raise ConfigError(f"{exc.path} with {', '.join(used)}", exc.key, exc.expected) from None
+    return cfg

@@ -1,0 +1,325 @@
+"""Flat parameter buffers and their chunks (after PHub).
+
+A model's trainable parameters are laid out in ONE flat 1-D buffer per dtype; every
+parameter becomes a view ``flat[offset:offset + numel].view(shape)`` into it. The flat
+buffers are then cut into :class:`Chunk` s of at most ``chunk_bytes`` bytes (chunk
+boundaries ignore parameter boundaries, so a big embedding table spans many chunks and
+many small biases share one). Chunks, not parameters, are the unit the workers push
+and pull and the unit placed on PS shards, which keeps every message and every shard's
+load near the same size whatever the model looks like.
+
+Worker side::
+
+    layout = FlatLayout.from_model(model, chunk_bytes=1 << 20)
+    flat = layout.bind(model)              # params and grads now live in flat buffers
+    loss.backward()                        # autograd accumulates into flat.grads
+    grads = chunk_views(flat.grads, layout.chunks)   # {key: 1-D view}, no copies
+    ...push grads, pull params into chunk_views(flat.params, layout.chunks)...
+    flat.zero_grad()                       # NOT optimizer.zero_grad() (see FlatLayout.bind)
+
+Which shard owns which chunk is :func:`hmp.ps.sharding.assign_chunks`'s business;
+:meth:`FlatLayout.to_dict` / :meth:`FlatLayout.from_dict` carry the layout to a process
+that has no model.
+
+Only parameters with ``requires_grad=True`` are laid out; module buffers (e.g.
+BatchNorm running statistics) are not parameters and stay where they are.
+``model.named_parameters()`` already drops shared (tied) parameters after their first
+name, so a tied weight occupies one slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: big enough to amortise per-message cost, small enough to balance
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the spelling used in :class:`Chunk` and on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; raises ``ValueError`` for names torch does not know."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}; expected a torch dtype name such as 'float32'")
+    return dtype
+
+
+def _itemsize(name: str) -> int:
+    return torch_dtype(name).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter lives: elements ``[offset, offset + numel)`` of the ``dtype`` flat buffer."""
+
+    name: str
+    dtype: str
+    offset: int  # elements, not bytes
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A contiguous piece of one flat buffer: elements ``[start, start + numel)`` of ``dtype``.
+
+    ``key`` is unique across all dtypes of a layout and is what workers and shards
+    use to name the chunk on the wire.
+    """
+
+    key: int
+    dtype: str
+    start: int  # elements into the dtype's flat buffer
+    numel: int
+
+    @property
+    def end(self) -> int:
+        """One past the last element (exclusive bound)."""
+        return self.start + self.numel
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FlatBuffers:
+    """The flat buffers a bound model uses: ``params[dtype]`` and ``grads[dtype]``, each 1-D."""
+
+    params: dict[str, Tensor]
+    grads: dict[str, Tensor]
+
+    def zero_grad(self) -> None:
+        """Zero the flat grad buffers in place; use this instead of ``optimizer.zero_grad()``."""
+        for g in self.grads.values():
+            g.zero_()
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """The layout of a model's trainable parameters in one flat buffer per dtype.
+
+    ``slots``: one :class:`ParamSlot` per parameter, in ``named_parameters()`` order.
+    ``sizes``: ``(dtype, numel)`` per flat buffer, dtypes in order of first appearance.
+    ``chunks``: the chunks of every buffer, keys ``0..len-1`` in (dtype, start) order.
+    ``chunk_bytes``: the largest chunk size in bytes this layout was cut with.
+
+    The layout depends only on parameter names, shapes and dtypes, so every worker
+    building the same model gets the same layout (compare with ``==``).
+    """
+
+    slots: tuple[ParamSlot, ...]
+    sizes: tuple[tuple[str, int], ...]
+    chunks: tuple[Chunk, ...]
+    chunk_bytes: int
+    _by_name: dict[str, ParamSlot] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {s.name: s for s in self.slots})
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_named_parameters(
+        cls, named: Iterable[tuple[str, Tensor]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> FlatLayout:
+        """Lay out ``(name, tensor)`` pairs (those with ``requires_grad``) and cut chunks."""
+        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        slots: list[ParamSlot] = []
+        sizes: dict[str, int] = {}
+        for name, p in named:
+            if not p.requires_grad:
+                continue
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {name!r} has dtype {p.dtype}; expected a floating-point dtype")
+            d = dtype_name(p.dtype)
+            offset = sizes.get(d, 0)
+            slots.append(ParamSlot(name, d, offset, p.numel(), tuple(p.shape)))
+            sizes[d] = offset + p.numel()
+        chunks: list[Chunk] = []
+        for d, total in sizes.items():
+            per_chunk = chunk_bytes // _itemsize(d)
+            if per_chunk < 1:
+                raise ValueError(f"chunk_bytes={chunk_bytes} is smaller than one {d} element ({_itemsize(d)} bytes)")
+            for start in range(0, total, per_chunk):
+                chunks.append(Chunk(len(chunks), d, start, min(per_chunk, total - start)))
+        return cls(tuple(slots), tuple(sizes.items()), tuple(chunks), chunk_bytes)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> FlatLayout:
+        """Lay out ``model``'s trainable parameters; see :meth:`from_named_parameters`."""
+        return cls.from_named_parameters(model.named_parameters(), chunk_bytes)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtype names of the flat buffers, in layout order."""
+        return tuple(d for d, _ in self.sizes)
+
+    def numel(self, dtype: str) -> int:
+        """Elements in the flat buffer of ``dtype``."""
+        for d, n in self.sizes:
+            if d == dtype:
+                return n
+        raise KeyError(f"layout has no {dtype!r} buffer; it has {list(self.dtypes)}")
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes over all flat buffers."""
+        return sum(n * _itemsize(d) for d, n in self.sizes)
+
+    def slot(self, name: str) -> ParamSlot:
+        """The slot of parameter ``name``."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"layout has no parameter {name!r}") from None
+
+    # ------------------------------------------------------------------ buffers
+
+    def allocate(self, device: torch.device | str | None = None) -> dict[str, Tensor]:
+        """New zeroed flat buffers ``{dtype: Tensor[numel]}`` on ``device`` (default CPU)."""
+        return {d: torch.zeros(n, dtype=torch_dtype(d), device=device) for d, n in self.sizes}
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` naming the first difference if ``model`` does not match this layout."""
+        other = FlatLayout.from_model(model, self.chunk_bytes)
+        if other.slots == self.slots:
+            return
+        mine = [s.name for s in self.slots]
+        theirs = [s.name for s in other.slots]
+        if mine != theirs:
+            raise ValueError(f"model does not match layout: layout has parameters {mine}, model has {theirs}")
+        for a, b in zip(self.slots, other.slots):
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                raise ValueError(
+                    f"model does not match layout at parameter {a.name!r}: layout has {a.dtype}{list(a.shape)}, "
+                    f"model has {b.dtype}{list(b.shape)}"
+                )
+        raise ValueError("model does not match layout")  # unreachable: offsets follow from shapes
+
+    def flatten(self, model: nn.Module, device: torch.device | str | None = None) -> dict[str, Tensor]:
+        """Copy ``model``'s current parameter values into new flat buffers (e.g. to seed a PS)."""
+        self.check(model)
+        if device is None:
+            device = _first_device(model)
+        flat = self.allocate(device)
+        params = dict(model.named_parameters())
+        views = self.param_views(flat)
+        with torch.no_grad():
+            for name, view in views.items():
+                view.copy_(params[name])
+        return flat
+
+    def param_views(self, flat: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``{param name: view shaped like the parameter}`` into ``flat`` (no copies)."""
+        self._check_flat(flat)
+        return {s.name: flat[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def bind(self, model: nn.Module, device: torch.device | str | None = None) -> FlatBuffers:
+        """Move ``model``'s parameters and gradients into new flat buffers; return the buffers.
+
+        Each parameter's ``.data`` becomes a view into ``params[dtype]`` (current values
+        copied in) and its ``.grad`` a view into ``grads[dtype]`` (current grad copied,
+        else zeros). Autograd accumulates into an existing ``.grad`` in place (when
+        ``create_graph=False``), so after ``backward()`` the gradients are already in the
+        flat grad buffer with no copy.
+
+        The binding survives only while nobody replaces ``.grad``: clear gradients with
+        :meth:`FlatBuffers.zero_grad` or ``optimizer.zero_grad(set_to_none=False)`` /
+        ``model.zero_grad(set_to_none=False)``. The default ``set_to_none=True`` sets
+        ``.grad = None`` and the next backward allocates a fresh, unbound grad tensor.
+        ``backward(create_graph=True)`` also replaces ``.grad`` (out of place).
+
+        ``device``: where the flat buffers live; default the device of the first parameter.
+        """
+        self.check(model)
+        if device is None:
+            device = _first_device(model)
+        flat = FlatBuffers(self.allocate(device), self.allocate(device))
+        params = dict(model.named_parameters())
+        pviews, gviews = self.param_views(flat.params), self.param_views(flat.grads)
+        with torch.no_grad():
+            for name, p in params.items():
+                if name not in pviews:
+                    continue  # frozen parameter: not part of the layout
+                pviews[name].copy_(p.data)
+                if p.grad is not None:
+                    gviews[name].copy_(p.grad)
+                p.data = pviews[name]
+                p.grad = gviews[name]
+        return flat
+
+    def _check_flat(self, flat: Mapping[str, Tensor]) -> None:
+        for d, n in self.sizes:
+            t = flat.get(d)
+            if t is None:
+                raise ValueError(f"flat buffers lack the {d!r} buffer; expected dtypes {list(self.dtypes)}")
+            if t.dim() != 1 or t.numel() != n or dtype_name(t.dtype) != d:
+                raise ValueError(
+                    f"flat {d!r} buffer is {dtype_name(t.dtype)}{list(t.shape)}; expected {d}[{n}] (1-D)"
+                )
+
+    # ------------------------------------------------------------------ wire form
+
+    def to_dict(self) -> dict:
+        """Plain ints, strs and lists (msgpack/JSON-able) from which :meth:`from_dict` rebuilds the layout."""
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "slots": [[s.name, s.dtype, s.offset, s.numel, list(s.shape)] for s in self.slots],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> FlatLayout:
+        """Rebuild a layout from :meth:`to_dict` output; chunks are recomputed (deterministic)."""
+        try:
+            chunk_bytes = int(data["chunk_bytes"])
+            rows = [(str(n), str(d), int(o), int(k), tuple(int(x) for x in shape)) for n, d, o, k, shape in data["slots"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a FlatLayout dict (expected keys 'chunk_bytes' and 'slots'): {exc}") from None
+        # Rebuild through meta tensors so validation and chunking share one code path.
+        named = [(n, torch.empty(shape, dtype=torch_dtype(d), device="meta", requires_grad=True)) for n, d, _, _, shape in rows]
+        layout = cls.from_named_parameters(named, chunk_bytes)
+        if [(s.offset, s.numel) for s in layout.slots] != [(o, k) for _, _, o, k, _ in rows]:
+            raise ValueError("FlatLayout dict has offsets/numels that do not follow from its shapes")
+        return layout
+
+
+def _first_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def chunk_views(flat: Tensor | Mapping[str, Tensor], chunks: Iterable[Chunk]) -> dict[int, Tensor]:
+    """``{chunk.key: flat[chunk.dtype][start:end]}``, 1-D views in ``chunks`` order (no copies).
+
+    ``flat`` is either the ``{dtype: buffer}`` mapping or a single 1-D buffer, in which
+    case every chunk must be of that buffer's dtype.
+    """
+    out: dict[int, Tensor] = {}
+    for c in chunks:
+        if isinstance(flat, Tensor):
+            buf = flat
+            if dtype_name(buf.dtype) != c.dtype:
+                raise ValueError(f"chunk {c.key} is {c.dtype} but the flat buffer is {dtype_name(buf.dtype)}")
+        else:
+            buf = flat.get(c.dtype)
+            if buf is None:
+                raise ValueError(f"chunk {c.key} needs a {c.dtype!r} flat buffer; have {sorted(flat)}")
+        if buf.dim() != 1 or c.end > buf.numel():
+            raise ValueError(
+                f"chunk {c.key} spans elements [{c.start}, {c.end}) but the flat buffer has shape {list(buf.shape)}"
+            )
+        out[c.key] = buf[c.start : c.end]
+    return out

@@ -1,0 +1,64 @@
+"""A gymnasium environment over the cost model: place one layer per step.
+
+Episode: ``L`` steps; at step ``i`` the action is the resource index for layer ``i``. The
+observation is layer ``i``'s features followed by the choices so far (``features.py``); after the
+last step it shows the last layer with the final choice counts. The reward is 0 until the last
+step, then ``cost_model.reward``: the negative cost on a log scale relative to the problem's lower
+bound, or ``-(INFEASIBLE_PENALTY + log1p(shortfall))`` when the plan is infeasible. ``info["plan"]`` holds
+the finished :class:`Plan`.
+
+The RL planner rolls out many episodes at once with the same features and reward (it does not step
+this class, for speed); ``tests/test_placement.py`` pins the env's reward to the cost model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+
+from hmp.placement import cost_model
+from hmp.placement.features import CLIP, PrefixState, dynamic_dim, static_dim, static_features
+from hmp.placement.problem import PlacementProblem
+
+
+class PlacementEnv(gymnasium.Env):
+    """Place the layers of ``problem`` one by one; see the module docstring."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, problem: PlacementProblem) -> None:
+        super().__init__()
+        self.problem = problem
+        R = problem.n_resources
+        self._static = static_features(problem)
+        self.observation_space = spaces.Box(low=-CLIP, high=CLIP, shape=(static_dim(R) + dynamic_dim(R),), dtype=np.float32)
+        self.action_space = spaces.Discrete(R)
+        self._actions: list[int] = []
+        self._state = PrefixState(problem, 1)
+
+    def _obs(self) -> np.ndarray:
+        i = min(len(self._actions), self.problem.n_layers - 1)
+        return np.concatenate([self._static[i], self._state.features()[0]])
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._actions = []
+        self._state = PrefixState(self.problem, 1)
+        return self._obs(), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if len(self._actions) >= self.problem.n_layers:
+            raise RuntimeError("episode is over; call reset() before step()")
+        if not self.action_space.contains(action):
+            raise ValueError(f"action must be a resource index in [0, {self.problem.n_resources}), got {action!r}")
+        a = int(action)
+        self._actions.append(a)
+        self._state.push(np.array([a]))
+        if len(self._actions) < self.problem.n_layers:
+            return self._obs(), 0.0, False, False, {}
+        plan = cost_model.evaluate(self.problem, self._actions)
+        r = float(cost_model.reward(self.problem, cost_model.score(self.problem, self._actions))[0])
+        return self._obs(), r, True, False, {"plan": plan}

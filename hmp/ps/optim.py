@@ -1,0 +1,299 @@
+"""Optimizers that update one flat 1-D parameter chunk in place (the PS shard's update kernels).
+
+A PS shard owns chunks (see ``hmp.flat``), not modules, so torch.optim does not
+fit: each chunk gets its own optimizer object holding that chunk's state. The update
+rules follow torch.optim exactly (``SGD``, ``Adam``, ``Adagrad``, same operation order),
+so a model trained through the PS matches a single-process run to float32 rounding.
+
+Allocation: every state tensor and the one or two scratch buffers some rules need are
+allocated once, in the constructor, with ``numel`` elements. ``step`` then runs only
+in-place ops (``mul_``, ``add_``, ``lerp_``, ``addcmul_``, ``addcdiv_``, ``out=``), so it
+allocates nothing per call. ``grad`` is read, never written: the same gradient buffer
+can be reused or inspected after the update. The scratch buffers are not state and are
+not in ``state_dict``.
+
+Each chunk is a single tensor, so there is nothing for torch's ``_foreach_*`` ops to
+batch over here; a shard that wants one kernel launch for many chunks should place them
+in one contiguous region and run one optimizer over that region.
+
+Also here: :func:`accumulate` and :func:`scale_`, the sync-mode gradient aggregation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hmp.config import Config
+
+
+def accumulate(dst: Tensor, src: Tensor, first: bool) -> None:
+    """Aggregate a pushed gradient into ``dst`` in place: ``first`` copies, later pushes add."""
+    if dst.shape != src.shape:
+        raise ValueError(f"cannot accumulate shape {list(src.shape)} into {list(dst.shape)}")
+    if first:
+        dst.copy_(src)
+    else:
+        dst.add_(src)
+
+
+def scale_(dst: Tensor, factor: float) -> Tensor:
+    """Multiply ``dst`` by ``factor`` in place (``1 / n`` to average ``n`` pushes); returns ``dst``."""
+    return dst.mul_(factor)
+
+
+class ChunkOptimizer:
+    """Base class: state for one 1-D chunk of ``numel`` elements of ``dtype`` on ``device``.
+
+    Subclasses define ``name``, ``_state_names`` and ``_update``. ``step`` counts updates
+    the way torch.optim's ``state['step']`` does.
+    """
+
+    name: str = ""
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        if not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"chunk optimizers need a floating-point dtype, got {dtype}")
+        # Resolve "cuda" to "cuda:0" so that step's device check compares like with like.
+        self.numel, self.dtype, self.device = numel, dtype, torch.empty(0, device=device).device
+        self.steps = 0
+
+    def _zeros(self) -> Tensor:
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    def step(self, param: Tensor, grad: Tensor) -> None:
+        """Update ``param`` (1-D, ``numel`` elements) in place from ``grad`` (same shape)."""
+        for what, t in (("param", param), ("grad", grad)):
+            if t.shape != (self.numel,) or t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"{self.name}: {what} is {t.dtype}{list(t.shape)} on {t.device}; "
+                    f"expected {self.dtype}[{self.numel}] on {self.device}"
+                )
+        self.steps += 1
+        with torch.no_grad():
+            self._update(param, grad)
+
+    def _update(self, param: Tensor, grad: Tensor) -> None:
+        raise NotImplementedError
+
+    def hyper(self) -> dict[str, Any]:
+        """The hyper-parameters this optimizer was built with (for logs and checks)."""
+        return {k: getattr(self, k) for k in _HYPER[self.name]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the state: ``{"optimizer", "numel", "step", <state tensors>}`` (tensors, ints, a str)."""
+        out: dict[str, Any] = {"optimizer": self.name, "numel": self.numel, "step": self.steps}
+        for k in self._state_names:
+            out[k] = getattr(self, k).detach().clone()  # a copy: the shard keeps updating its own
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore state saved by :meth:`state_dict` of the same optimizer kind and size."""
+        if state.get("optimizer") != self.name:
+            raise ValueError(f"state_dict is for optimizer {state.get('optimizer')!r}, not {self.name!r}")
+        if state.get("numel") != self.numel:
+            raise ValueError(f"state_dict is for {state.get('numel')} elements, this chunk has {self.numel}")
+        missing = [k for k in ("step", *self._state_names) if k not in state]
+        if missing:
+            raise ValueError(f"{self.name} state_dict lacks {missing}")
+        for k in self._state_names:
+            t = state[k]
+            if not isinstance(t, Tensor) or t.shape != (self.numel,):
+                raise ValueError(f"{self.name} state {k!r} must be a tensor of shape [{self.numel}]")
+            getattr(self, k).copy_(t)  # copy_ keeps our buffer's dtype/device
+        self.steps = int(state["step"])
+
+
+class ChunkSGD(ChunkOptimizer):
+    """``torch.optim.SGD`` on one chunk: momentum, dampening, L2 weight decay, Nesterov."""
+
+    name = "sgd"
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(numel, dtype, device)
+        _check_nonneg(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening == 0 (as in torch.optim.SGD)")
+        self.lr, self.momentum, self.dampening = lr, momentum, dampening
+        self.weight_decay, self.nesterov = weight_decay, nesterov
+        self._state_names = ("momentum_buffer",) if momentum else ()
+        if momentum:
+            self.momentum_buffer = self._zeros()
+        # Scratch for grad + wd * param, or for the Nesterov direction: both are
+        # temporaries torch allocates each step; we allocate once.
+        self._scratch = self._zeros() if (weight_decay or nesterov) else None
+
+    def _update(self, param: Tensor, grad: Tensor) -> None:
+        d_p = grad
+        if self.weight_decay:
+            d_p = torch.add(grad, param, alpha=self.weight_decay, out=self._scratch)
+        if self.momentum:
+            buf = self.momentum_buffer
+            if self.steps == 1:
+                buf.copy_(d_p)  # torch starts the buffer at the first gradient, undamped
+            else:
+                buf.mul_(self.momentum).add_(d_p, alpha=1 - self.dampening)
+            if self.nesterov:
+                d_p = torch.add(d_p, buf, alpha=self.momentum, out=self._scratch)  # d_p may alias scratch: elementwise, safe
+            else:
+                d_p = buf
+        param.add_(d_p, alpha=-self.lr)
+
+
+class ChunkAdam(ChunkOptimizer):
+    """``torch.optim.Adam`` on one chunk (L2 weight decay, or AdamW with ``decoupled_weight_decay``)."""
+
+    name = "adam"
+    _state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(numel, dtype, device)
+        b1, b2 = betas
+        _check_nonneg(lr=lr, eps=eps, weight_decay=weight_decay)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must each be in [0, 1), got {betas!r}")
+        self.lr, self.betas, self.eps = lr, (float(b1), float(b2)), eps
+        self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        self.exp_avg, self.exp_avg_sq = self._zeros(), self._zeros()
+        # One scratch: first holds grad + wd * param (L2 decay), then the denominator.
+        self._scratch = self._zeros()
+
+    def _update(self, param: Tensor, grad: Tensor) -> None:
+        b1, b2 = self.betas
+        if self.weight_decay:
+            if self.decoupled_weight_decay:
+                param.mul_(1 - self.lr * self.weight_decay)
+            else:
+                grad = torch.add(grad, param, alpha=self.weight_decay, out=self._scratch)
+        self.exp_avg.lerp_(grad, 1 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        step_size = self.lr / (1 - b1**self.steps)
+        bc2_sqrt = (1 - b2**self.steps) ** 0.5
+        # grad is no longer needed, so the scratch it may occupy can take the denominator.
+        denom = torch.sqrt(self.exp_avg_sq, out=self._scratch).div_(bc2_sqrt).add_(self.eps)
+        param.addcdiv_(self.exp_avg, denom, value=-step_size)
+
+
+class ChunkAdagrad(ChunkOptimizer):
+    """``torch.optim.Adagrad`` on one chunk."""
+
+    name = "adagrad"
+    _state_names = ("sum",)
+
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        lr_decay: float = 0.0,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(numel, dtype, device)
+        _check_nonneg(
+            lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value, lr_decay=lr_decay
+        )
+        self.lr, self.eps, self.weight_decay = lr, eps, weight_decay
+        self.initial_accumulator_value, self.lr_decay = initial_accumulator_value, lr_decay
+        self.sum = self._zeros().fill_(initial_accumulator_value)
+        self._std = self._zeros()  # sqrt(sum) + eps, needed alongside grad
+        self._scratch = self._zeros() if weight_decay else None  # grad + wd * param
+
+    def _update(self, param: Tensor, grad: Tensor) -> None:
+        if self.weight_decay:
+            grad = torch.add(grad, param, alpha=self.weight_decay, out=self._scratch)
+        clr = self.lr / (1 + (self.steps - 1) * self.lr_decay)
+        self.sum.addcmul_(grad, grad, value=1)
+        std = torch.sqrt(self.sum, out=self._std).add_(self.eps)
+        param.addcdiv_(grad, std, value=-clr)
+
+
+def _check_nonneg(**values: float) -> None:
+    for k, v in values.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{k} must be a finite number >= 0, got {v!r}")
+
+
+OPTIMIZERS: dict[str, type[ChunkOptimizer]] = {"sgd": ChunkSGD, "adam": ChunkAdam, "adagrad": ChunkAdagrad}
+
+# Hyper-parameter names per optimizer: the constructor's keywords minus the plumbing.
+_HYPER: dict[str, tuple[str, ...]] = {
+    name: tuple(k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "numel", "dtype", "device"))
+    for name, cls in OPTIMIZERS.items()
+}
+
+
+def make_chunk_optimizer(
+    name: str,
+    numel: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    **hyper: Any,
+) -> ChunkOptimizer:
+    """Build the optimizer ``name`` ("sgd", "adam", "adagrad") for a chunk of ``numel`` elements.
+
+    ``hyper`` are the torch.optim keyword names (``lr``, ``momentum``, ``betas``, ...);
+    unknown names or hyper-parameters raise ``ValueError`` listing the accepted ones.
+    """
+    cls = OPTIMIZERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown chunk optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}")
+    unknown = sorted(set(hyper) - set(_HYPER[name]))
+    if unknown:
+        raise ValueError(f"unknown hyper-parameter(s) {unknown} for {name!r}; expected some of {list(_HYPER[name])}")
+    if name == "sgd" and "lr" not in hyper:
+        raise ValueError("'sgd' needs an explicit lr")
+    if "betas" in hyper:
+        hyper["betas"] = tuple(hyper["betas"])  # TOML/msgpack give lists
+    return cls(numel, dtype=dtype, device=device, **hyper)
+
+
+def chunk_optimizer_of(cfg: Config) -> tuple[str, dict[str, Any]]:
+    """The shards' chunk optimizer. A sweep job's workers run the fused per-member optimizer
+    themselves and push parameter deltas, which the shards apply as plain SGD at lr 1."""
+    if cfg.sweep.members:
+        return "sgd", {"lr": 1.0}
+    return cfg.optimizer.name, _hyper(cfg)
+
+
+def _hyper(cfg: Config) -> dict[str, Any]:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay, "nesterov": o.nesterov}
+    if o.name == "adam":
+        return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    return {"lr": o.lr, "eps": o.eps, "weight_decay": o.weight_decay}

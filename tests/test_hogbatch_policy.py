@@ -10,6 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hmp.batching.policy import make_batch_policy
+from hmp.job import load
+
+from .cluster_util import write_config
 from hmp.batching import hogbatch
 from hmp.batching.hogbatch import (
     AdaptiveHogbatch,
@@ -320,3 +324,16 @@ def test_policy_module_imports_no_network_or_nodes():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {n for n in names if n.split(".")[0] in {"zmq", "torch"} or n.startswith(("hmp.nodes", "hmp.transport"))}
+
+
+def test_a_worker_dropped_as_stale_before_it_joined_can_still_join(tmp_path):
+    """With stale_after_s, a slow-starting worker is dropped before its first report; its join
+    then gets its configured batch, and its first report registers it again."""
+    cfg = load(write_config(tmp_path, policy="adaptive", extra_train="policy_args = { stale_after_s = 2.0 }"))
+    adapter = make_batch_policy(cfg)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0):
+        adapter.update("cpu0", {"samples": 100 * t, "busy_s": 0.1 * t, "updates": int(10 * t), "batch_size": 16}, t)
+    assert "gpu0" not in adapter.policy.live
+    assert adapter.initial("gpu0") == 128  # its configured batch
+    batch, share = adapter.update("gpu0", {"samples": 1280, "busy_s": 0.1, "updates": 10, "batch_size": 128}, 3.5)
+    assert "gpu0" in adapter.policy.live and batch >= 1 and 0 < share < 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,3 +78,65 @@ def fmt_spread(s: dict[str, Any], fmt: str = ".3f") -> str:
         return "-"
     return (f"{s['median']:{fmt}} [{s['min']:{fmt}} .. {s['max']:{fmt}}] "
             f"(IQR {s['p25']:{fmt}}-{s['p75']:{fmt}}, n={s['n']})")
+
+
+class CpuMeter:
+    """How busy the machine was during a run, and how much of that was someone else.
+
+    ``start()`` and ``stop()`` read /proc/stat (all CPUs) and this process's and its reaped
+    children's CPU time (``os.times``). ``stop()`` returns CPUs' worth on average over the
+    interval: ``busy_cpus`` (all user + system time), ``others_busy_cpus`` (the same less this
+    benchmark's own processes: children count once reaped, so stop after joining them) and
+    ``steal_cpus`` (time the hypervisor ran something else while a CPU here wanted to run).
+    None where /proc/stat is missing.
+    """
+
+    def __init__(self) -> None:
+        self._t0: tuple[float, ...] | None = None
+
+    @staticmethod
+    def _read() -> tuple[float, ...] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        fields += [0] * (8 - len(fields))
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return (user + nice + system + irq + softirq) / tick, steal / tick, own, time.monotonic()
+
+    def start(self) -> None:
+        self._t0 = self._read()
+
+    def stop(self) -> dict[str, Any] | None:
+        t1 = self._read()
+        if self._t0 is None or t1 is None:
+            return None
+        busy, steal, own, wall = (b - a for a, b in zip(self._t0, t1))
+        if wall <= 0:
+            return None
+        return {"busy_cpus": round(busy / wall, 2), "others_busy_cpus": round(max(0.0, busy - own) / wall, 2),
+                "steal_cpus": round(steal / wall, 2), "cpus": os.cpu_count()}
+
+
+QUIET_OTHERS_CPUS = 0.25  # CPUs' worth of other work above which a run does not count as quiet
+
+
+def is_quiet(cpu: dict[str, Any] | None) -> bool | None:
+    """Whether other work stayed under ``QUIET_OTHERS_CPUS`` during a run (None: unknown)."""
+    return None if not cpu else cpu["others_busy_cpus"] <= QUIET_OTHERS_CPUS
+
+
+def cpu_line(cpu: dict[str, Any] | None, load_before: Any, load_after: Any, wall_s: float) -> str:
+    """One line on the machine's load during a run, with a warning when others kept it busy."""
+    c = cpu or {}
+    line = (f"load average before {load_before}, after {load_after}; CPUs busy during the run "
+            f"{c.get('busy_cpus', '?')} of {c.get('cpus', '?')} (others than this benchmark: "
+            f"{c.get('others_busy_cpus', '?')}; steal {c.get('steal_cpus', '?')}); {wall_s} s")
+    if c.get("others_busy_cpus", 0.0) > QUIET_OTHERS_CPUS:
+        line += (f"\nWARNING: other work kept {c['others_busy_cpus']} CPUs busy during this run: the machine was "
+                 f"not quiet, and ratios measured under contention differ from quiet ones")
+    return line

@@ -44,7 +44,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-POLICIES = ("sync", "hogbatch", "adaptive")
+from hmp.config import BatchPolicyKind as Policy, Consistency  # noqa: E402  (after the path set-up)
+
+POLICIES = (Policy.SYNC, Policy.HOGBATCH, Policy.ADAPTIVE)
 WORKERS = ("cpu0", "gpu0")  # cpu0 is worker 0: it measures the test loss the stop rule reads
 
 
@@ -113,12 +115,12 @@ def free_port() -> int:
 
 def job_config(folder: Path, w: Workload, policy: str) -> Path:
     """The job file for one run: same topology, model, data and optimizer for every policy."""
-    if policy == "sync":
-        consistency, knobs = "sync", f"{{ batch_size = {w.sync_batch} }}"
-    elif policy == "hogbatch":
-        consistency, knobs = "async", f"{{ cpu_batch = {w.cpu_batch}, gpu_batch = {w.gpu_batch} }}"
+    if policy == Policy.SYNC:
+        consistency, knobs = Consistency.SYNC, f"{{ batch_size = {w.sync_batch} }}"
+    elif policy == Policy.HOGBATCH:
+        consistency, knobs = Consistency.ASYNC, f"{{ cpu_batch = {w.cpu_batch}, gpu_batch = {w.gpu_batch} }}"
     else:
-        consistency, knobs = "async", f"{{ base_batch = {w.cpu_batch}, threshold = {w.threshold}, max_batch = 4096 }}"
+        consistency, knobs = Consistency.ASYNC, f"{{ base_batch = {w.cpu_batch}, threshold = {w.threshold}, max_batch = 4096 }}"
     text = f"""
 [job]
 name = "hogbatch-{w.name}-{policy}"
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="one repeat per policy")
     ap.add_argument("--repeats", type=int, default=3, help="runs per dataset and policy (medians are reported)")
     ap.add_argument("--datasets", default="digits,sparse", help="comma-separated: digits, sparse")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated: sync, hogbatch, adaptive")
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated: {', '.join(POLICIES)}")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "hogbatch_loss.png"), help="where the PNG goes ('' for none)")
     ap.add_argument("--set", action="append", default=[], metavar="DATASET.FIELD=VALUE",
                     help="override a Workload setting for every policy, e.g. --set sparse.gpu_batch=1024")
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     datasets = [d for d in args.datasets.split(",") if d]
     if not set(policies) <= set(POLICIES) or not set(datasets) <= {"digits", "sparse"}:
-        ap.error(f"policies must be among {POLICIES} and datasets among ('digits', 'sparse')")
+        ap.error(f"policies must be among {[str(p) for p in POLICIES]} and datasets among ('digits', 'sparse')")
     t_start = time.monotonic()
     results: dict[str, dict[str, dict[str, Any]]] = {}
     targets: dict[str, float] = {}
@@ -314,10 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, per_policy in results.items():
         entry: dict[str, Any] = {p: {k: v for k, v in r.items() if k != "curve"} for p, r in per_policy.items()}
         t = {p: r["time_to_target_s"] for p, r in per_policy.items()}
-        if "adaptive" in t:
-            for base in ("sync", "hogbatch"):
+        if Policy.ADAPTIVE in t:
+            for base in (Policy.SYNC, Policy.HOGBATCH):
                 if base in t:
-                    entry[f"speedup_adaptive_vs_{base}"] = t[base] / t["adaptive"]
+                    entry[f"speedup_adaptive_vs_{base}"] = t[base] / t[Policy.ADAPTIVE]
         out["datasets"][name] = entry
     out["wall_s"] = time.monotonic() - t_start
     if args.plot:

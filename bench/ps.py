@@ -4,18 +4,30 @@
     shard daemons (``python -m hmp.nodes.main ps``; 1 MiB chunks, 8 per shard) and get the new
     values back (``PSClient.push``), ``sync`` and ``async``; against two processes doing gloo
     ``all_reduce`` of a 16 MiB float32 tensor. A round is one push (one all_reduce) by each of
-    the two workers; rounds/s = rounds / the slower worker's time. Peers alternate block by block.
+    the two workers; rounds/s = rounds / the slower worker's time. Every peer's processes start
+    once and are warmed up; then ``--blocks`` cycles of one short block per peer (``--warm``
+    untimed + ``--rounds`` timed rounds) in the order gloo, sync, async, reversed every other
+    cycle. Each cycle gives one ratio from two adjacent blocks; ``ratio_vs_gloo_allreduce`` is
+    the median of those per-cycle ratios (``_spread``: min, quartiles, max).
 (b) Time to 95% test accuracy on the digits MLP with two worker processes: hmp (``LocalCluster``:
-    scheduler, 2 shards, 2 ``cpu_worker`` s, batch 32 each) in sync, async and ssp mode, against
-    torch DistributedDataParallel (gloo) on two processes with the same model, seed, data shards,
-    optimizer, batch size and evaluation cadence. hmp's time is the scheduler's clock (started
-    when the first worker joins) at the first report whose test accuracy reaches the target;
-    DDP's is training time on rank 0 until an evaluation reaches it (evaluation time excluded).
+    scheduler, 2 shards, 2 ``cpu_worker`` s, batch 32 each) in sync and async (and, with
+    ``--modes``, ssp) mode, against torch DistributedDataParallel (gloo) on two processes with
+    the same model, seed, data shards, optimizer, batch size and evaluation cadence. hmp's time is
+    the scheduler's clock (started when the first worker joins) at the first report whose test
+    accuracy reaches the target; DDP's is training time on rank 0 until an evaluation reaches it
+    (evaluation time excluded). DDP's processes stay up; every hmp run (a fresh cluster, ~15 s
+    with its start) sits between two blocks of ``--ddp-runs`` DDP runs, and its ratio is the
+    median DDP time around it over its own time; ``ratio_{mode}_vs_ddp`` is the median over the
+    mode's runs and ``ratio_vs_ddp`` that of the mode with the shortest median time. Time to a
+    threshold of a noisy accuracy curve varies a lot from run to run (see ``*_spread``): raise
+    ``--repeats`` for a tighter ratio_vs_ddp.
 
-    python bench/ps.py [--json] [--quick] [--blocks N] [--rounds N] [--repeats N] [--modes ...]
+    python bench/ps.py [--json] [--quick] [--blocks N] [--rounds N] [--warm N] [--repeats N]
+                       [--ddp-runs N] [--modes sync,async,ssp] [--eval-every S] [--skip push|digits]
 
-With ``--json`` the last line is one JSON object with every figure, ``ratio_vs_gloo_allreduce``
-(sync PS rounds/s / gloo rounds/s) and ``ratio_vs_ddp`` (DDP time / hmp best-mode time).
+With ``--json`` the last line is one JSON object with every figure: ``ratio_vs_gloo_allreduce``
+(sync PS rounds/s / gloo rounds/s), ``ratio_vs_ddp`` (DDP time / hmp best-mode time), their
+``*_spread`` objects, per-peer ``*_blocks`` summaries, and the machine's load during the run.
 """
 
 from __future__ import annotations
@@ -29,7 +41,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +53,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _stats import (CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
+                    ratios, spread, summary)
 
 MiB = 1 << 20
 # deep_mlp with depth 0 is one Linear(4095, 1024): 4095 * 1024 weights + 1024 biases = 4 Mi float32,
@@ -297,11 +312,14 @@ def _gloo_worker(rank: int, port: int, numel: int, conn: Any, barrier: Any) -> N
 
 
 def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path) -> dict[str, Any]:
-    """Rounds/s of each peer, one median over ``blocks`` blocks of ``rounds`` rounds each."""
-    if rounds > 60:
-        raise ValueError("at most 60 rounds per block (gloo's summed values must stay finite)")
+    """Rounds/s of each peer: ``blocks`` cycles of one short block (``rounds`` timed rounds after
+    ``warm`` untimed ones) per peer, in the order gloo, ps_sync, ps_async reversed every other
+    cycle, so that gloo and ps_sync are always adjacent; per-cycle ratios and their spread."""
+    if warm + rounds > 60:
+        raise ValueError("at most 60 rounds per block, warm-up included (gloo's summed values must stay finite)")
     daemons: list[Daemons] = []
     peers: dict[str, Peer] = {}
+    t0 = time.perf_counter()
     try:
         port = free_port()
         peers["gloo"] = Peer("gloo", _gloo_worker, lambda r: (r, port, PUSH_NUMEL))
@@ -321,14 +339,15 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path)
                                        lambda r, c=str(cfg_path), s=shards: (c, WORKERS[r], s))
         for p in peers.values():
             p.ready()
+        for p in peers.values():  # warm-up of every peer before anything is timed
+            p.ask("run", 0, max(5, rounds))
         times: dict[str, list[float]] = {name: [] for name in peers}
         cpu: dict[str, list[float]] = {name: [] for name in peers}
         pids = {name: [pr.pid for pr in p.procs] for name, p in peers.items()}
         for mode, d in zip(modes, daemons):
             pids[f"ps_{mode}"] += d.pids  # the shards' (and scheduler's) CPU counts too
-        order = list(peers)
         for b in range(blocks):
-            for name in order[b % len(order):] + order[:b % len(order)]:  # rotate: noise hits all alike
+            for name in alternate(list(peers), b):  # gloo next to ps_sync, each first every other cycle
                 for d in daemons:
                     d.check()
                 c0 = cpu_seconds(pids[name])
@@ -341,12 +360,20 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path)
             p.close()
         for d in daemons:
             d.close()
-    res: dict[str, Any] = {"push_bytes": PUSH_NUMEL * 4, "rounds_per_block": rounds, "blocks": blocks}
+    res: dict[str, Any] = {"push_bytes": PUSH_NUMEL * 4, "rounds_per_block": rounds, "blocks": blocks,
+                           "warm_rounds_per_block": warm, "wall_s": round(time.perf_counter() - t0, 1)}
+    rps = {name: [rounds / t for t in ts] for name, ts in times.items()}
     for name, ts in times.items():
-        res[f"{name}_rounds_per_s"] = round(rounds / statistics.median(ts), 2)
-        res[f"{name}_ms_per_round"] = round(1e3 * statistics.median(ts) / rounds, 2)
+        res[f"{name}_rounds_per_s"] = round(quantile(rps[name], 0.5), 2)
+        res[f"{name}_ms_per_round"] = round(1e3 * quantile(ts, 0.5) / rounds, 2)
+        res[f"{name}_rounds_per_s_blocks"] = summary(rps[name], 2)
         if cpu[name]:
-            res[f"{name}_cpu_ms_per_round"] = round(1e3 * statistics.median(cpu[name]), 2)
+            res[f"{name}_cpu_ms_per_round"] = round(1e3 * quantile(cpu[name], 0.5), 2)
+    for mode in modes:
+        key = "ratio_vs_gloo_allreduce" if mode == "sync" else f"ratio_{mode}_vs_gloo_allreduce"
+        rs = ratios(rps[f"ps_{mode}"], rps["gloo"])
+        res[key] = round(quantile(rs, 0.5), 3)
+        res[f"{key}_spread"] = spread(rs)
     return res
 
 
@@ -485,38 +512,56 @@ def hmp_digits(mode: str, folder: Path, target: float, eval_every_s: float, max_
 
 def bench_digits(repeats: int, modes: list[str], tmp: Path, target: float, eval_every_s: float,
                  max_epochs: int, max_seconds: float, lr: float, momentum: float, ddp_runs: int) -> dict[str, Any]:
+    """Each hmp run sits between two blocks of ``ddp_runs`` DDP runs (DDP's processes stay up); its
+    ratio is the median DDP time of the blocks before and after it over its own time."""
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in ["ddp", *modes]}
+    per_run: dict[str, list[float]] = {m: [] for m in modes}  # DDP time around the run / the run's time
+    inf = float("inf")
     ddp = DDPPeer()
+    t0 = time.perf_counter()
     try:
         ddp.ready()
+        ddp.run(target, eval_every_s, lr, momentum, 32, max_epochs)  # warm-up, not counted
+
+        def ddp_block() -> list[float]:
+            rs = [ddp.run(target, eval_every_s, lr, momentum, 32, max_epochs) for _ in range(ddp_runs)]
+            runs["ddp"] += rs
+            return [inf if x["time_to_target_s"] is None else x["time_to_target_s"] for x in rs]
+
+        before = ddp_block()
         for r in range(repeats):
-            order = ["ddp", *modes]
-            for name in order[r % len(order):] + order[:r % len(order)]:
-                if name == "ddp":  # cheap (no process start), so several runs per repeat
-                    for _ in range(ddp_runs):
-                        runs[name].append(ddp.run(target, eval_every_s, lr, momentum, 32, max_epochs))
-                else:
-                    runs[name].append(hmp_digits(name, tmp / f"digits-{name}-{r}", target, eval_every_s,
-                                                 max_epochs, max_seconds, lr, momentum))
+            for mode in alternate(modes, r):
+                h = hmp_digits(mode, tmp / f"digits-{mode}-{r}", target, eval_every_s, max_epochs, max_seconds,
+                               lr, momentum)
+                runs[mode].append(h)
+                after = ddp_block()
+                d = quantile(before + after, 0.5)
+                t = h["time_to_target_s"]
+                per_run[mode].append(0.0 if t is None or d == inf else d / t)  # a miss counts as 0
+                before = after
     finally:
         ddp.close()
 
     def med(xs: list[Any]) -> float | None:
         xs = [x for x in xs if x is not None]
-        return round(statistics.median(xs), 4) if xs else None
+        return round(quantile(xs, 0.5), 4) if xs else None
 
-    res: dict[str, Any] = {"target_accuracy": target, "eval_every_s": eval_every_s, "repeats": repeats}
+    res: dict[str, Any] = {"target_accuracy": target, "eval_every_s": eval_every_s, "repeats": repeats,
+                           "ddp_runs_per_block": ddp_runs, "wall_s": round(time.perf_counter() - t0, 1)}
     for name, rs in runs.items():
         times = [x["time_to_target_s"] for x in rs]
-        t_med = med([t if t is not None else float("inf") for t in times])  # a miss counts as slowest
-        res[name] = {"time_to_target_s": None if t_med == float("inf") else t_med,
+        t_med = med([t if t is not None else inf for t in times])  # a miss counts as slowest
+        res[name] = {"time_to_target_s": None if t_med == inf else t_med,
                      "reached": sum(t is not None for t in times), "runs": len(rs),
+                     "time_to_target_s_runs": summary([t for t in times if t is not None]),
                      "samples_per_s": med([x["samples_per_s"] for x in rs]),
                      "test_accuracy": med([x["test_accuracy"] for x in rs]),
                      "all_times_s": [None if t is None else round(t, 3) for t in times]}
         if name != "ddp":
             for k in ("time_to_target_both_s", "startup_skew_s", "final_elapsed_s"):
                 res[name][k] = med([x[k] for x in rs])
+            res[f"ratio_{name}_vs_ddp"] = round(quantile(per_run[name], 0.5), 3)
+            res[f"ratio_{name}_vs_ddp_spread"] = spread(per_run[name])
     return res
 
 
@@ -526,81 +571,104 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
-    ap.add_argument("--blocks", type=int, default=6, help="(a) timed blocks per peer (median over them)")
-    ap.add_argument("--rounds", type=int, default=20, help="(a) rounds per block (at most 60)")
-    ap.add_argument("--warm", type=int, default=3, help="(a) untimed rounds before each block")
-    ap.add_argument("--repeats", type=int, default=3, help="(b) runs per peer (median over them)")
-    ap.add_argument("--ddp-runs", type=int, default=3, help="(b) DDP runs per repeat")
-    ap.add_argument("--modes", default="sync,async,ssp", help="(b) hmp consistency modes to run")
+    ap.add_argument("--blocks", type=int, default=40, help="(a) alternating cycles: one timed block per peer each")
+    ap.add_argument("--rounds", type=int, default=4, help="(a) timed rounds per block (warm + rounds <= 60)")
+    ap.add_argument("--warm", type=int, default=1, help="(a) untimed rounds before each block")
+    ap.add_argument("--repeats", type=int, default=2, help="(b) runs per hmp mode (median over them)")
+    ap.add_argument("--ddp-runs", type=int, default=2, help="(b) DDP runs between two hmp runs")
+    ap.add_argument("--modes", default="sync,async", help="(b) hmp consistency modes to run (sync,async,ssp)")
     ap.add_argument("--target", type=float, default=0.95, help="(b) test accuracy to reach")
-    ap.add_argument("--eval-every", type=float, default=0.2, help="(b) seconds of training between evaluations")
+    ap.add_argument("--eval-every", type=float, default=0.05,
+                    help="(b) seconds of training between evaluations (both; the times' resolution)")
     ap.add_argument("--lr", type=float, default=0.05, help="(b) SGD learning rate (both)")
     ap.add_argument("--momentum", type=float, default=0.9, help="(b) SGD momentum (both)")
     ap.add_argument("--skip", choices=["push", "digits"], default=None, help="leave one part out")
     args = ap.parse_args()
     if args.quick:
-        args.blocks, args.rounds, args.repeats, args.modes, args.ddp_runs = 2, 8, 1, "sync,async", 2
+        args.blocks, args.rounds, args.repeats, args.modes, args.ddp_runs = 3, 3, 1, "sync,async", 1
     modes = [m for m in args.modes.split(",") if m]
     torch.set_num_threads(1)
     res: dict[str, Any] = {}
+    load_before = load_average()
+    meter = CpuMeter()
+    meter.start()
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hmp-bench-ps-") as d:
         tmp = Path(d)
         if args.skip != "push":
-            push = bench_push(args.blocks, args.rounds, args.warm, ["sync", "async"], tmp)
-            push["ratio_vs_gloo_allreduce"] = round(push["ps_sync_rounds_per_s"] / push["gloo_rounds_per_s"], 3)
-            push["ratio_async_vs_gloo_allreduce"] = round(
-                push["ps_async_rounds_per_s"] / push["gloo_rounds_per_s"], 3)
-            res["push"] = push
+            res["push"] = bench_push(args.blocks, args.rounds, args.warm, ["sync", "async"], tmp)
         if args.skip != "digits":
             dig = bench_digits(args.repeats, modes, tmp, args.target, args.eval_every, 60, 60.0, args.lr,
                                args.momentum, args.ddp_runs)
+            dig["modes"] = modes
             best = min(modes, key=lambda m: dig[m]["time_to_target_s"] or float("inf"))
             dig["best_mode"] = best
             ddp_t, best_t = dig["ddp"]["time_to_target_s"], dig[best]["time_to_target_s"]
-            dig["ratio_vs_ddp"] = round(ddp_t / best_t, 3) if ddp_t and best_t else None
+            # median of the best mode's per-run ratios (each against the DDP runs around it)
+            dig["ratio_vs_ddp"] = dig[f"ratio_{best}_vs_ddp"] if ddp_t and best_t else None
+            dig["ratio_vs_ddp_spread"] = dig[f"ratio_{best}_vs_ddp_spread"]
+            dig["ratio_vs_ddp_of_medians"] = round(ddp_t / best_t, 3) if ddp_t and best_t else None
             if "sync" in modes and dig["sync"]["time_to_target_s"] and ddp_t:
-                dig["ratio_sync_vs_ddp"] = round(ddp_t / dig["sync"]["time_to_target_s"], 3)
                 dig["ratio_sync_vs_ddp_both_training"] = round(ddp_t / dig["sync"]["time_to_target_both_s"], 3)
             res["digits"] = dig
+    res["load_avg_before"], res["load_avg_after"] = load_before, load_average()
+    res["cpu_during_run"] = meter.stop()
+    res["quiet"] = is_quiet(res["cpu_during_run"])
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
     report(res)
     if args.json:
-        flat = {**res.get("push", {}), **{k: v for k, v in res.get("digits", {}).items()}}
+        flat = {**res.get("push", {}), **res.get("digits", {}),
+                **{k: res[k] for k in ("load_avg_before", "load_avg_after", "cpu_during_run", "quiet", "wall_s")}}
+        if "push" in res and "digits" in res:  # both parts have one
+            flat["push_wall_s"], flat["digits_wall_s"] = res["push"]["wall_s"], res["digits"]["wall_s"]
+            flat["wall_s"] = res["wall_s"]
         print(json.dumps(flat))
 
 
 def report(res: dict[str, Any]) -> None:
     if "push" in res:
         p = res["push"]
-        print(f"(a) 2 workers x {p['push_bytes'] / MiB:.0f} MiB per round, median of {p['blocks']} blocks "
-              f"of {p['rounds_per_block']} rounds")
-        print(f"{'peer':<34}{'rounds/s':>10}{'ms/round':>10}{'CPU ms/round':>14}")
+        print(f"(a) 2 workers x {p['push_bytes'] / MiB:.0f} MiB per round; {p['blocks']} cycles of one block per "
+              f"peer ({p['warm_rounds_per_block']} untimed + {p['rounds_per_block']} timed rounds), order reversed "
+              f"every other cycle")
+        print(f"{'peer (rounds/s per block)':<34}{'median':>8}{'min':>8}{'p25':>8}{'p75':>8}{'max':>8}"
+              f"{'ms/round':>10}{'CPU ms/round':>14}")
         for name, label in (("gloo", "gloo all_reduce"), ("ps_sync", "hmp PS push, sync (2 shards)"),
                             ("ps_async", "hmp PS push, async (2 shards)")):
             if f"{name}_rounds_per_s" in p:
                 c = p.get(f"{name}_cpu_ms_per_round")
-                print(f"{label:<34}{p[f'{name}_rounds_per_s']:>10.1f}{p[f'{name}_ms_per_round']:>10.1f}"
-                      f"{'-' if c is None else f'{c:.1f}':>14}")
-        print(f"ratio_vs_gloo_allreduce = {p['ratio_vs_gloo_allreduce']:.3f} (sync; target >= 0.8), "
-              f"async {p['ratio_async_vs_gloo_allreduce']:.3f}")
+                b = p[f"{name}_rounds_per_s_blocks"]
+                print(f"{label:<34}{b['median']:>8.1f}{b['min']:>8.1f}{b['p25']:>8.1f}{b['p75']:>8.1f}"
+                      f"{b['max']:>8.1f}{p[f'{name}_ms_per_round']:>10.1f}{'-' if c is None else f'{c:.1f}':>14}")
+        print("ratio: median of per-cycle ratios of adjacent blocks [min .. max] (IQR, cycles)")
+        print(f"  ratio_vs_gloo_allreduce        {fmt_spread(p['ratio_vs_gloo_allreduce_spread'])} "
+              f"(sync; target >= 0.8)")
+        print(f"  ratio_async_vs_gloo_allreduce  {fmt_spread(p['ratio_async_vs_gloo_allreduce_spread'])}")
     if "digits" in res:
         d = res["digits"]
-        print(f"\n(b) digits MLP, 2 workers x batch 32, time to {d['target_accuracy']:.0%} test accuracy, "
-              f"median of {d['repeats']}")
+        print(f"\n(b) digits MLP, 2 workers x batch 32, time to {d['target_accuracy']:.0%} test accuracy "
+              f"(evaluated every {d['eval_every_s']} s), {d['repeats']} runs per hmp mode, each between two "
+              f"blocks of {d['ddp_runs_per_block']} DDP runs")
         print(f"{'peer':<18}{'time (s)':>9}{'both (s)':>9}{'skew (s)':>9}{'reached':>9}{'samples/s':>10}"
               f"{'final acc':>10}  all times (s)")
         fmt = lambda t: "-" if t is None else f"{t:.2f}"  # noqa: E731
-        for name, v in d.items():
-            if isinstance(v, dict):
-                print(f"{('torch DDP (gloo)' if name == 'ddp' else 'hmp ' + name):<18}"
-                      f"{fmt(v['time_to_target_s']):>9}{fmt(v.get('time_to_target_both_s')):>9}"
-                      f"{fmt(v.get('startup_skew_s')):>9}{v['reached']:>5}/{v['runs']:<3}"
-                      f"{v['samples_per_s']:>10.0f}{v['test_accuracy'] or 0:>10.3f}  {v['all_times_s']}")
+        for name in ["ddp", *d["modes"]]:
+            v = d[name]
+            print(f"{('torch DDP (gloo)' if name == 'ddp' else 'hmp ' + name):<18}"
+                  f"{fmt(v['time_to_target_s']):>9}{fmt(v.get('time_to_target_both_s')):>9}"
+                  f"{fmt(v.get('startup_skew_s')):>9}{v['reached']:>5}/{v['runs']:<3}"
+                  f"{v['samples_per_s'] or 0:>10.0f}{v['test_accuracy'] or 0:>10.3f}  {v['all_times_s']}")
         print("time: from the first worker's start of training; both: from when both train "
               "(skew: the second worker's later start)")
+        print("ratio: DDP time (median of the DDP runs around an hmp run) / that run's time; median of runs "
+              "[min .. max]")
+        for m in d["modes"]:
+            print(f"  ratio_{m}_vs_ddp{'':<{18 - len(m)}}{fmt_spread(d[f'ratio_{m}_vs_ddp_spread'])}")
         r = d.get("ratio_vs_ddp")
-        print(f"ratio_vs_ddp = {r if r is not None else 'n/a'} (DDP time / hmp {d['best_mode']} time; "
-              f"target >= 1.0); sync: {d.get('ratio_sync_vs_ddp', 'n/a')} "
-              f"({d.get('ratio_sync_vs_ddp_both_training', 'n/a')} from when both train)")
+        print(f"ratio_vs_ddp = {r if r is not None else 'n/a'} (best mode {d['best_mode']}; target >= 1.0; "
+              f"ratio of medians {d.get('ratio_vs_ddp_of_medians', 'n/a')}); sync from when both train: "
+              f"{d.get('ratio_sync_vs_ddp_both_training', 'n/a')}")
+    print(cpu_line(res.get("cpu_during_run"), res["load_avg_before"], res["load_avg_after"], res["wall_s"]))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
 Peers, each a sender process and a receiver process started once for the whole run:
   * raw TCP, acknowledged: 64 MiB messages, length-prefixed, received with recv_into a
-    preallocated buffer, each acknowledged with 8 bytes before the next is sent;
+    preallocated buffer, each acknowledged (8 bytes) before the next is sent. The sender writes
+    as libzmq does, non-blocking: it hands the kernel all that is left and waits for room; one
+    blocking ``sendall`` of 64 MiB (``--tcp-send sendall``, this benchmark's method before) was
+    ~25% slower on the 2-core VM this was written on, which made the raw peer look worse than hmp;
   * raw TCP, streaming: the same socket pair sending ``--stream`` messages back to back with one
-    acknowledgement for all of them: the real limit of a loopback stream;
+    acknowledgement for all of them (the limit of a loopback stream);
   * hmp: a 64 MiB float32 tensor as a ``Tensors`` request answered with ``Ack`` (acknowledged),
     and ``--stream`` of them as one-way messages followed by one request (streaming). Both hmp
     processes call ``tune_malloc()`` first, as daemons do (see hmp.transport.endpoint); a second
@@ -12,18 +15,21 @@ Peers, each a sender process and a receiver process started once for the whole r
   * pickle: the same tensor pickled over the raw TCP pair and unpickled (the naive way);
   * small messages (hmp only): request/reply latency (p50, p99) and one-way messages/s.
 
-Method: after one untimed warm-up block of every peer, the run is ``--rounds`` cycles; a cycle is
-one short block of each peer (``--repeats`` acknowledged messages, one stream of ``--stream``
-messages, ...), in an order that puts the peers compared next to each other (raw, hmp; raw stream,
-hmp stream) and is reversed every other cycle. Each cycle gives one ratio per comparison from two
-adjacent blocks; a headline ratio is the median of those per-cycle ratios, printed with its min,
-quartiles and max. Per-peer GB/s are medians over the peer's blocks.
+Method. One 64 MiB message takes ~20-40 ms here, and the same message's time varies 2-3x from one
+to the next on a shared VM, so a few long runs per peer (as before) compared different moments of
+the machine. Now every peer is warmed up, then the run is ``--rounds`` cycles; a cycle is
+``--repeats`` raw/hmp acknowledged pairs interleaved message by message (raw, hmp, hmp, raw, ...),
+``--stream-pairs`` raw/hmp pairs of streams, then one block of each other peer, orders reversed every other
+cycle. Each pair of adjacent blocks gives one ratio; a headline ratio is the median of them, with
+its min, quartiles and max in ``*_spread``. Per-peer GB/s are medians over the peer's blocks.
 
-    python bench/transport.py [--json] [--quick] [--rounds N] [--repeats N] [--stream N]
-                              [--megabytes M] [--frame-bytes B] [--small N] [--pin]
+    python bench/transport.py [--json] [--quick] [--rounds N] [--repeats N] [--stream N] [--stream-pairs N]
+                              [--megabytes M] [--frame-bytes B] [--small N] [--tcp-send S] [--pin]
 
 With ``--json`` the last line is one JSON object with every figure (``ratio_vs_raw_tcp``,
-``ratio_vs_raw_tcp_stream``, their ``*_spread``, per-peer ``peers``, latency and rates).
+``ratio_vs_raw_tcp_stream`` (hmp streaming vs raw streaming), ``ratio_acked_vs_raw_tcp_stream``
+(hmp requests vs raw streaming), their ``*_spread``, per-peer ``peers``, latency, rates and the
+machine's load during the run).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import select
 import socket
 import struct
 import sys
@@ -48,7 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import alternate, fmt_spread, load_average, quantile, ratios, spread, summary  # noqa: E402
+from _stats import (CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
+                    ratios, spread, summary)
 
 from hmp.messages import Ack, Heartbeat, Kind, Shutdown, Tensors  # noqa: E402
 from hmp.transport.codec import DEFAULT_FRAME_BYTES  # noqa: E402
@@ -114,7 +122,7 @@ def _tcp_receiver(port_q: Any, cpu: int | None) -> None:
     srv.close()
 
 
-def _tcp_sender(port: int, nbytes: int, cpu: int | None, conn: Any) -> None:
+def _tcp_sender(port: int, nbytes: int, how: str, cpu: int | None, conn: Any) -> None:
     _pin(cpu)
     torch.set_num_threads(1)
 
@@ -125,9 +133,26 @@ def _tcp_sender(port: int, nbytes: int, cpu: int | None, conn: Any) -> None:
         payload = memoryview(tensor.numpy()).cast("B")
         ackbuf = bytearray(ACK.size)
 
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+
         def send(data: Any, ack: bool, pickled: bool) -> None:
             sock.sendall(HDR.pack(len(data), ack, pickled))
-            sock.sendall(data)
+            if how == "sendall":  # one blocking call for the whole message (slower here)
+                sock.sendall(data)
+                return
+            # Non-blocking, as libzmq writes: hand the kernel all that is left, wait for room, repeat.
+            view = memoryview(data).cast("B")
+            pos = 0
+            sock.setblocking(False)
+            try:
+                while pos < len(view):
+                    try:
+                        pos += sock.send(view[pos:])
+                    except BlockingIOError:
+                        poller.poll()
+            finally:
+                sock.setblocking(True)
 
         def wait_ack(expect: int) -> None:
             _recv_exact_into(sock, memoryview(ackbuf))
@@ -320,81 +345,105 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (few cycles)")
-    ap.add_argument("--rounds", type=int, default=40, help="alternating cycles of all peers")
-    ap.add_argument("--repeats", type=int, default=3, help="acknowledged messages per block")
+    ap.add_argument("--rounds", type=int, default=36, help="alternating cycles of all peers")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="acknowledged raw/hmp message pairs per cycle (also hmp default-malloc messages)")
     ap.add_argument("--stream", type=int, default=6, help="messages per acknowledgement when streaming")
+    ap.add_argument("--stream-pairs", type=int, default=2, help="raw/hmp pairs of streams per cycle")
     ap.add_argument("--megabytes", type=int, default=64, help="size of the large message (MiB)")
     ap.add_argument("--frame-bytes", type=int, default=DEFAULT_FRAME_BYTES, help="hmp frame size (bytes)")
+    ap.add_argument("--tcp-send", choices=["nonblocking", "sendall"], default="nonblocking",
+                    help="raw TCP sender: non-blocking sends of all that is left (as libzmq), or one "
+                         "blocking sendall per message (this benchmark's method before)")
     ap.add_argument("--small", type=int, default=4000, help="one-way small messages per block")
     ap.add_argument("--pin", action="store_true",
                     help="pin every sender to CPU 0 and every receiver to CPU 1 (the same for all peers)")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.repeats, args.stream, args.small = 4, 2, 3, 1000
+        args.rounds, args.repeats, args.stream, args.stream_pairs, args.small = 4, 2, 3, 1, 1000
     torch.set_num_threads(1)
     nbytes = args.megabytes * MiB
     scpu, rcpu = (0, 1) if args.pin else (None, None)
+    n_lat = max(50, args.small // 20)
     load_before = load_average()
+    meter = CpuMeter()
+    meter.start()
     t_start = time.perf_counter()
 
+    # What each series asks of which pair: (pair, command, messages per block).
+    what = {"raw": ("raw", "acked", 1), "hmp": ("hmp", "acked", 1),
+            "raw_stream": ("raw", "stream", args.stream), "hmp_stream": ("hmp", "stream", args.stream),
+            "hmp_default_malloc": ("hmp_default_malloc", "acked", args.repeats), "pickle": ("raw", "pickle", 1),
+            "latency": ("hmp", "latency", n_lat), "oneway": ("hmp", "oneway", args.small)}
+    # times[series][cycle]: the seconds returned by each of that cycle's blocks of the series
+    times: dict[str, list[list[list[float]]]] = {name: [] for name in what}
     pairs: dict[str, Pair] = {}
     try:
-        pairs["raw"] = Pair("raw", _tcp_receiver, (rcpu,), _tcp_sender, lambda port: (port, nbytes, scpu))
+        pairs["raw"] = Pair("raw", _tcp_receiver, (rcpu,), _tcp_sender,
+                            lambda port: (port, nbytes, args.tcp_send, scpu))
         for name, tune in (("hmp", True), ("hmp_default_malloc", False)):
             pairs[name] = Pair(name, _hmp_receiver, (args.frame_bytes, tune, rcpu), _hmp_sender,
                                lambda addr, t=tune: (addr, nbytes, args.frame_bytes, t, scpu))
         for p in pairs.values():
             p.ready()
+        for pair, cmd, k in what.values():  # warm-up: buffers, page faults, code paths
+            pairs[pair].ask(cmd, k)
+            if cmd == "acked":
+                pairs[pair].ask(cmd, k)
 
-        # Blocks: (series name, peer, command, messages). Compared peers sit next to each other.
-        n_lat = max(50, args.small // 20)
-        blocks = [("raw", "raw", "acked", args.repeats), ("hmp", "hmp", "acked", args.repeats),
-                  ("raw_stream", "raw", "stream", args.stream), ("hmp_stream", "hmp", "stream", args.stream),
-                  ("hmp_default_malloc", "hmp_default_malloc", "acked", args.repeats),
-                  ("pickle", "raw", "pickle", 1),
-                  ("latency", "hmp", "latency", n_lat), ("oneway", "hmp", "oneway", args.small)]
-        for _series, peer, what, k in blocks:  # warm-up: buffers, page faults, code paths
-            pairs[peer].ask(what, k)
-        series: dict[str, list[list[float]]] = {b[0]: [] for b in blocks}
+        def run(name: str) -> None:
+            pair, cmd, k = what[name]
+            times[name][-1].append(pairs[pair].ask(cmd, k))
+
         for cycle in range(args.rounds):
-            order = {b[0]: b for b in blocks}
-            for name in alternate(list(order), cycle):
-                _s, peer, what, k = order[name]
-                series[name].append(pairs[peer].ask(what, k))
+            for series in times.values():
+                series.append([])
+            # raw and hmp message by message, in adjacent pairs, each first in every other pair
+            for i in range(args.repeats):
+                for name in alternate(["raw", "hmp"], cycle + i):
+                    run(name)
+            for i in range(args.stream_pairs):
+                for name in alternate(["raw_stream", "hmp_stream"], cycle + i):
+                    run(name)
+            for name in alternate(["hmp_default_malloc", "pickle", "latency", "oneway"], cycle):
+                run(name)
     finally:
         for p in pairs.values():
             p.close()
     wall_s = time.perf_counter() - t_start
     load_after = load_average()
+    cpu = meter.stop()
 
-    def block_gbps(name: str, per_block: int) -> list[float]:
-        """GB/s of each block: messages moved / the block's summed time."""
-        return [per_block * nbytes / sum(ts) / 1e9 for ts in series[name]]
+    def gbps(name: str, per_cycle: bool) -> list[float]:
+        """GB/s of each block (per_cycle False) or of all of a cycle's blocks together (True)."""
+        k = what[name][2]
+        if per_cycle:
+            return [len(blocks) * k * nbytes / sum(sum(b) for b in blocks) / 1e9 for blocks in times[name]]
+        return [k * nbytes / sum(b) / 1e9 for blocks in times[name] for b in blocks]
 
-    gb = {"raw": block_gbps("raw", args.repeats), "hmp": block_gbps("hmp", args.repeats),
-          "raw_stream": block_gbps("raw_stream", args.stream), "hmp_stream": block_gbps("hmp_stream", args.stream),
-          "hmp_default_malloc": block_gbps("hmp_default_malloc", args.repeats),
-          "pickle": block_gbps("pickle", 1)}
-    cmp = {  # ratio key: (numerator series, denominator series), one ratio per cycle
-        "ratio_vs_raw_tcp": ("hmp", "raw"),
-        "ratio_vs_raw_tcp_stream": ("hmp_stream", "raw_stream"),
-        "ratio_acked_vs_raw_tcp_stream": ("hmp", "raw_stream"),
-        "ratio_raw_tcp_acked_vs_stream": ("raw", "raw_stream"),
-        "ratio_default_malloc_vs_raw_tcp": ("hmp_default_malloc", "raw"),
-        "ratio_vs_pickle": ("hmp", "pickle"),
+    big = ("raw", "hmp", "raw_stream", "hmp_stream", "hmp_default_malloc", "pickle")
+    blocks = {name: gbps(name, False) for name in big}
+    cycles = {name: gbps(name, True) for name in big}
+    cmp = {  # ratio key: per-pair ratios (adjacent blocks)
+        "ratio_vs_raw_tcp": ratios(blocks["hmp"], blocks["raw"]),
+        "ratio_vs_raw_tcp_stream": ratios(blocks["hmp_stream"], blocks["raw_stream"]),
+        # per cycle: the cycle's acknowledged messages together against its stream / other blocks
+        "ratio_acked_vs_raw_tcp_stream": ratios(cycles["hmp"], cycles["raw_stream"]),
+        "ratio_raw_tcp_acked_vs_stream": ratios(cycles["raw"], cycles["raw_stream"]),
+        "ratio_default_malloc_vs_raw_tcp": ratios(cycles["hmp_default_malloc"], cycles["raw"]),
+        "ratio_vs_pickle": ratios(cycles["hmp"], cycles["pickle"]),
     }
-    lat_us = [x * 1e6 for blk in series["latency"] for x in blk]
-    lat_p50_blocks = [quantile([x * 1e6 for x in blk], 0.5) for blk in series["latency"]]
-    oneway_blocks = [args.small / blk[0] for blk in series["oneway"]]
+    lat_us = [x * 1e6 for blocks_ in times["latency"] for b in blocks_ for x in b]
+    lat_p50_blocks = [quantile([x * 1e6 for x in b], 0.5) for blocks_ in times["latency"] for b in blocks_]
+    oneway_blocks = [args.small / b[0] for blocks_ in times["oneway"] for b in blocks_]
 
     gbps_key = {"raw": "raw_tcp_gbps", "hmp": "hmp_gbps", "raw_stream": "raw_tcp_stream_gbps",
                 "hmp_stream": "hmp_stream_gbps", "hmp_default_malloc": "hmp_default_malloc_gbps",
                 "pickle": "pickle_gbps"}
     res: dict[str, Any] = {"message_bytes": nbytes, "frame_bytes": args.frame_bytes}
     for name, key in gbps_key.items():
-        res[key] = round(quantile(gb[name], 0.5), 3)
-    for key, (a, b) in cmp.items():
-        rs = ratios(gb[a], gb[b])
+        res[key] = round(quantile(blocks[name], 0.5), 3)
+    for key, rs in cmp.items():
         res[key] = round(quantile(rs, 0.5), 3)
         res[f"{key}_spread"] = spread(rs)
     res.update({
@@ -403,16 +452,21 @@ def main() -> None:
         "req_reply_p50_us_blocks": summary(lat_p50_blocks, 1),
         "oneway_msgs_per_s": round(quantile(oneway_blocks, 0.5)),
         "oneway_msgs_per_s_blocks": summary(oneway_blocks, 0),
-        "peers": {name: {"gbps_blocks": summary(v)} for name, v in gb.items()},
-        "method": {"cycles": args.rounds, "acked_messages_per_block": args.repeats,
-                   "stream_messages_per_ack": args.stream, "latency_requests_per_block": n_lat,
-                   "oneway_messages_per_block": args.small, "pinned": args.pin,
-                   "order": [b[0] for b in blocks], "order_reversed_every_other_cycle": True},
-        "samples": {"raw": args.rounds * args.repeats, "hmp": args.rounds * args.repeats,
-                    "raw_stream": args.rounds * args.stream, "hmp_stream": args.rounds * args.stream,
-                    "hmp_default_malloc": args.rounds * args.repeats, "pickle": args.rounds,
-                    "latency": len(lat_us), "oneway_runs": len(oneway_blocks)},
-        "load_avg_before": load_before, "load_avg_after": load_after, "wall_s": round(wall_s, 1),
+        "peers": {name: {"gbps_blocks": summary(blocks[name]), "gbps_cycles": summary(cycles[name])}
+                  for name in big},
+        "method": {"cycles": args.rounds, "acked_pairs_per_cycle": args.repeats,
+                   "stream_messages_per_ack": args.stream,
+                   "stream_pairs_per_cycle": args.stream_pairs, "default_malloc_messages_per_block": args.repeats,
+                   "latency_requests_per_block": n_lat, "oneway_messages_per_block": args.small,
+                   "tcp_send": args.tcp_send, "pinned": args.pin},
+        "samples": {"raw": len(blocks["raw"]), "hmp": len(blocks["hmp"]),
+                    "raw_stream": len(blocks["raw_stream"]) * args.stream,
+                    "hmp_stream": len(blocks["hmp_stream"]) * args.stream,
+                    "hmp_default_malloc": len(blocks["hmp_default_malloc"]) * args.repeats,
+                    "pickle": len(blocks["pickle"]), "latency": len(lat_us), "oneway_runs": len(oneway_blocks)},
+        "load_avg_before": load_before, "load_avg_after": load_after, "cpu_during_run": cpu,
+        "quiet": is_quiet(cpu),
+        "wall_s": round(wall_s, 1),
     })
     report(res)
     if args.json:
@@ -421,29 +475,31 @@ def main() -> None:
 
 def report(res: dict[str, Any]) -> None:
     m = res["method"]
-    print(f"{res['message_bytes'] // MiB} MiB messages; {m['cycles']} cycles of one block per peer "
-          f"({m['acked_messages_per_block']} acknowledged messages, or one stream of {m['stream_messages_per_ack']} "
-          f"with one acknowledgement), order reversed every other cycle"
+    print(f"{res['message_bytes'] // MiB} MiB messages, {m['cycles']} cycles; a cycle: {m['acked_pairs_per_cycle']} "
+          f"adjacent raw/hmp acknowledged message pairs, {m['stream_pairs_per_cycle']} raw/hmp pairs of streams of "
+          f"{m['stream_messages_per_ack']} "
+          f"messages per acknowledgement, then the rest; orders alternate. Raw TCP sender: {m['tcp_send']}"
           f"{'; senders on CPU 0, receivers on CPU 1' if m['pinned'] else ''}")
-    print(f"{'peer':<34}{'GB/s median':>12}{'min':>8}{'p25':>8}{'p75':>8}{'max':>8}")
-    labels = {"raw": "raw TCP, acknowledged", "hmp": "hmp tensor, acknowledged (request)",
+    print(f"{'peer (GB/s per block)':<36}{'median':>8}{'min':>8}{'p25':>8}{'p75':>8}{'max':>8}{'n':>5}")
+    labels = {"raw": "raw TCP, acknowledged (1 message)", "hmp": "hmp tensor request (1 message)",
               "raw_stream": "raw TCP, streaming", "hmp_stream": "hmp tensor, streaming (one-way)",
-              "hmp_default_malloc": "hmp acknowledged, default malloc", "pickle": "pickle over TCP"}
+              "hmp_default_malloc": "hmp requests, default malloc", "pickle": "pickle over TCP"}
     for name, label in labels.items():
         s = res["peers"][name]["gbps_blocks"]
-        print(f"{label:<34}{s['median']:>12.3f}{s['min']:>8.3f}{s['p25']:>8.3f}{s['p75']:>8.3f}{s['max']:>8.3f}")
-    print("\nratio (median of per-cycle ratios of adjacent blocks) [min .. max] (IQR)")
+        print(f"{label:<36}{s['median']:>8.3f}{s['min']:>8.3f}{s['p25']:>8.3f}{s['p75']:>8.3f}{s['max']:>8.3f}"
+              f"{s['n']:>5}")
+    print("\nratio: median of per-pair ratios [min .. max] (IQR, pairs)")
     for key in ("ratio_vs_raw_tcp", "ratio_vs_raw_tcp_stream", "ratio_acked_vs_raw_tcp_stream",
                 "ratio_raw_tcp_acked_vs_stream", "ratio_default_malloc_vs_raw_tcp", "ratio_vs_pickle"):
         print(f"  {key:<34}{fmt_spread(res[f'{key}_spread'])}")
-    print("  (targets: ratio_vs_raw_tcp >= 0.8)")
+    print("  (target: ratio_vs_raw_tcp >= 0.8)")
     lb = res["req_reply_p50_us_blocks"]
     print(f"request/reply p50 = {res['req_reply_p50_us']:.0f} us, p99 = {res['req_reply_p99_us']:.0f} us "
           f"(per-block p50 {lb['min']:.0f} .. {lb['max']:.0f}; target p50 <= 250)")
     ob = res["oneway_msgs_per_s_blocks"]
     print(f"one-way small messages = {res['oneway_msgs_per_s']:,}/s (per block {ob['min']:,.0f} .. "
           f"{ob['max']:,.0f}; target >= 50,000)")
-    print(f"load average before {res['load_avg_before']}, after {res['load_avg_after']}; {res['wall_s']} s")
+    print(cpu_line(res.get("cpu_during_run"), res["load_avg_before"], res["load_avg_after"], res["wall_s"]))
 
 
 if __name__ == "__main__":

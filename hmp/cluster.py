@@ -22,12 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 from hmp import job
-from hmp.config import Config
+from hmp.config import Config, Role
 from hmp.errors import HmpError
 from hmp.messages import Status
 from hmp.transport.endpoint import Client
 
-START_ORDER = ("scheduler", "ps", "cpu_worker", "gpu_worker")
+START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
 
 
 class JobFailed(HmpError):
@@ -52,6 +52,7 @@ class LocalCluster:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.log_dir = self.cfg.report_dir / "logs"
         self._logs: dict[str, Any] = {}
+        self._status_client: Client | None = None  # one socket for every status() poll, closed in stop()
 
     async def __aenter__(self) -> LocalCluster:
         try:
@@ -69,7 +70,7 @@ class LocalCluster:
         for role in START_ORDER:
             for node in self.cfg.by_role(role):
                 cmd = [sys.executable, "-m", "hmp.nodes.main", role, "--config", self.config_path, "--id", node.id]
-                if role == "ps" and self.resume:
+                if role == Role.PS and self.resume:
                     cmd.append("--resume")
                 logf = open(self.log_dir / f"{node.id}.log", "wb")  # noqa: SIM115 - closed in stop()
                 self._logs[node.id] = logf
@@ -86,13 +87,15 @@ class LocalCluster:
             return ""
 
     async def status(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
-        """The scheduler's status, or None if it does not answer."""
-        s = self.cfg.scheduler
-        async with Client(s.advertise or s.bind, name="launcher", timeout_s=timeout_s) as c:
-            try:
-                reply = await c.request(Status())
-            except HmpError:
-                return None
+        """The scheduler's status, or None if it does not answer. Every poll goes through one socket."""
+        if self._status_client is None:
+            s = self.cfg.scheduler
+            self._status_client = Client(s.advertise or s.bind, name="launcher", timeout_s=timeout_s)
+            await self._status_client.connect()
+        try:
+            reply = await self._status_client.request(Status(), timeout_s=timeout_s)
+        except HmpError:
+            return None
         return reply.state if isinstance(reply, Status) else None
 
     async def wait(self, timeout_s: float | None = None,
@@ -134,6 +137,9 @@ class LocalCluster:
 
     async def stop(self) -> None:
         """Stop every daemon still running: SIGTERM, then SIGKILL after the grace period."""
+        if self._status_client is not None:
+            client, self._status_client = self._status_client, None
+            await client.close()
         live = [p for p in self.procs.values() if p.returncode is None]
         for p in live:
             with contextlib.suppress(ProcessLookupError):

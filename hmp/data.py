@@ -9,9 +9,10 @@ Nothing here downloads anything. Sources:
 * ``npz``     a local ``.npz`` with arrays ``x``, ``y`` and optionally ``x_test``, ``y_test``.
 
 Every loader returns a :class:`Dataset`; :func:`load_dataset` picks one from a spec.
-Workers take their part of the training set with :func:`shard` and draw mini-batches
-from a :class:`BatchIterator`, whose batch size may change between batches (the
-scheduler resizes batches while training runs).
+Workers take their part of the training set with :func:`shard`. Every shuffled example order
+in hmp (a worker's batches, a Hogbatch work unit, a pipeline micro-batch, a Hogwild thread's
+batches) comes from :class:`ShuffledBatches`: deterministic from a seed and the epoch, with a
+batch size that may change between batches (the scheduler resizes batches while training runs).
 
 Tensor conventions: features ``x`` are float32 ``[N, F]`` or, for categorical data,
 int64 bucket ids ``[N, fields]``; labels ``y`` are int64 ``[N]`` in ``0..num_classes-1``.
@@ -20,7 +21,7 @@ int64 bucket ids ``[N, fields]``; labels ``y`` are int64 ``[N]`` in ``0..num_cla
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -57,18 +58,6 @@ class Dataset:
     def num_features(self) -> int:
         """Columns of ``x``: features (float) or fields (categorical ids)."""
         return int(self.x_train.shape[1])
-
-    @property
-    def categorical(self) -> bool:
-        """True when ``x`` holds int64 bucket ids rather than float features."""
-        return self.x_train.dtype == torch.int64
-
-    def majority_baseline(self) -> float:
-        """Test accuracy of always predicting the most frequent training class."""
-        if len(self.y_test) == 0:
-            return float("nan")
-        top = torch.bincount(self.y_train, minlength=self.num_classes).argmax()
-        return float((self.y_test == top).double().mean())
 
 
 def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, stratify: bool = True):
@@ -288,17 +277,6 @@ def load_svmlight(
     return _dataset(Path(path).stem, len(values), xtr, xte, ytr, yte, values)
 
 
-def write_svmlight(path: str | Path, x: Tensor | np.ndarray, y: Tensor | np.ndarray) -> None:
-    """Write ``x [N, F]`` and integer labels ``y [N]`` as svmlight text (one-based indices, zeros omitted)."""
-    from sklearn.datasets import dump_svmlight_file
-
-    xa = x.numpy() if isinstance(x, Tensor) else np.asarray(x)
-    ya = y.numpy() if isinstance(y, Tensor) else np.asarray(y)
-    if xa.ndim != 2 or ya.ndim != 1 or len(xa) != len(ya):
-        raise ValueError(f"expected x [N, F] and y [N], got {list(xa.shape)} and {list(ya.shape)}")
-    dump_svmlight_file(xa, ya, str(path), zero_based=False)
-
-
 def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     """A ``.npz`` with ``x [N, F]`` (float -> float32, integer -> int64 ids) and int labels ``y [N]``.
 
@@ -429,29 +407,30 @@ def shard(x: Tensor, y: Tensor, index: int, count: int) -> tuple[Tensor, Tensor]
     return x[start:stop], y[start:stop]
 
 
-class BatchIterator:
-    """Endless shuffled mini-batches ``(x [B, F], y [B])`` over ``(x, y)``, epoch after epoch.
+class ShuffledBatches:
+    """Index batches over shuffled epochs of ``n`` examples: the one seeded example order of hmp.
 
-    Epoch ``e`` visits every row once in an order fixed by ``(seed, e)``, so a worker that
-    restarts at ``epoch=e`` sees the same order again. The last batch of an epoch is
-    shorter rather than spilling into the next. ``batch_size`` may be set between batches;
-    the new size applies from the next batch on, within the same epoch. ``epochs`` (if
-    given) stops iteration after that many epochs.
+    Epoch ``e`` visits ``range(n)`` once, in the order :meth:`order` ``(e)``: a permutation fixed by
+    ``(seed, e)`` (numpy's SeedSequence mixes them into independent, platform-stable streams; ``seed``
+    may be a tuple, e.g. ``(data_seed, worker_index)``), so every node and every restart derives the
+    same order and no example ids need to travel. Iterating yields int64 index tensors of
+    ``batch_size`` rows in that order (gather with ``x[idx]``); ``batch_size`` may be set between
+    batches. The last batch of an epoch is shorter rather than spilling into the next. Iteration
+    starts at ``epoch`` and stops after ``epochs`` epochs (None: never).
     """
 
-    def __init__(self, x: Tensor, y: Tensor, batch_size: int, seed: int = 0, epoch: int = 0, *, epochs: int | None = None) -> None:
-        if len(x) != len(y):
-            raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
-        if len(x) == 0:
-            raise ValueError("cannot iterate over an empty dataset")
+    def __init__(self, n: int, batch_size: int = 1, seed: int | Sequence[int] = 0, *, epoch: int = 0,
+                 epochs: int | None = None) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"cannot shuffle {n!r} examples; expected an int >= 1")
         if epochs is not None and epochs < 0:
             raise ValueError(f"epochs must be >= 0 or None, got {epochs!r}")
-        self.x, self.y, self.seed = x, y, seed
+        self.n = n
+        self.seed = (seed,) if isinstance(seed, (int, np.integer)) else tuple(seed)
         self.batch_size = batch_size
-        self._first_epoch, self._epochs = epoch, epochs
-        self._epoch = epoch
+        self._epoch, self._end = epoch, None if epochs is None else epoch + epochs
         self._pos = 0
-        self._order = self._permutation(epoch)
+        self._cached: tuple[int, Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -469,34 +448,30 @@ class BatchIterator:
         """The epoch the next batch comes from."""
         return self._epoch
 
-    @property
-    def position(self) -> int:
-        """Rows of the current epoch already served."""
-        return self._pos
+    def order(self, epoch: int) -> Tensor:
+        """Epoch ``epoch``'s permutation of ``range(n)`` (int64; the last one asked for is cached)."""
+        if self._cached is None or self._cached[0] != epoch:
+            perm = np.random.default_rng([*self.seed, epoch]).permutation(self.n)
+            self._cached = (epoch, torch.from_numpy(perm))
+        return self._cached[1]
 
-    def _permutation(self, epoch: int) -> Tensor:
-        # SeedSequence mixes (seed, epoch) into independent, platform-stable streams.
-        return torch.from_numpy(np.random.default_rng([self.seed, epoch]).permutation(len(self.x)))
-
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[Tensor]:
         return self
 
-    def __next__(self) -> tuple[Tensor, Tensor]:
-        if self._pos >= len(self.x):
-            self._epoch += 1
-            self._pos = 0
-            self._order = self._permutation(self._epoch)
-        if self._epochs is not None and self._epoch >= self._first_epoch + self._epochs:
+    def __next__(self) -> Tensor:
+        if self._pos >= self.n:
+            self._epoch, self._pos = self._epoch + 1, 0
+        if self._end is not None and self._epoch >= self._end:
             raise StopIteration
-        idx = self._order[self._pos : self._pos + self._batch_size]
+        idx = self.order(self._epoch)[self._pos:self._pos + self._batch_size]
         self._pos += len(idx)
-        return self.x[idx], self.y[idx]  # a gather: a copy, as any shuffled batch must be
+        return idx
 
-    def next_batch(self, batch_size: int | None = None) -> tuple[Tensor, Tensor]:
-        """The next batch, first switching to ``batch_size`` if given."""
+    def next_batch(self, batch_size: int | None = None) -> Tensor | None:
+        """The next batch, first switching to ``batch_size`` if given; None once ``epochs`` are used up."""
         if batch_size is not None:
             self.batch_size = batch_size
-        return next(self)
+        return next(self, None)
 
 
 def _check_positive(**values: int) -> None:

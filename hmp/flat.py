@@ -17,9 +17,7 @@ Worker side::
     ...push grads, pull params into chunk_views(flat.params, layout.chunks)...
     flat.zero_grad()                       # NOT optimizer.zero_grad() (see FlatLayout.bind)
 
-Which shard owns which chunk is :func:`hmp.ps.sharding.assign_chunks`'s business;
-:meth:`FlatLayout.to_dict` / :meth:`FlatLayout.from_dict` carry the layout to a process
-that has no model.
+Which shard owns which chunk is :func:`hmp.ps.sharding.assign_chunks`'s business.
 
 Only parameters with ``requires_grad=True`` are laid out; module buffers (e.g.
 BatchNorm running statistics) are not parameters and stay where they are.
@@ -30,7 +28,7 @@ name, so a tied weight occupies one slot.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -120,10 +118,6 @@ class FlatLayout:
     sizes: tuple[tuple[str, int], ...]
     chunks: tuple[Chunk, ...]
     chunk_bytes: int
-    _by_name: dict[str, ParamSlot] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_name", {s.name: s for s in self.slots})
 
     # ------------------------------------------------------------------ building
 
@@ -177,13 +171,6 @@ class FlatLayout:
     def nbytes(self) -> int:
         """Total bytes over all flat buffers."""
         return sum(n * _itemsize(d) for d, n in self.sizes)
-
-    def slot(self, name: str) -> ParamSlot:
-        """The slot of parameter ``name``."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"layout has no parameter {name!r}") from None
 
     # ------------------------------------------------------------------ buffers
 
@@ -269,30 +256,6 @@ class FlatLayout:
                 raise ValueError(
                     f"flat {d!r} buffer is {dtype_name(t.dtype)}{list(t.shape)}; expected {d}[{n}] (1-D)"
                 )
-
-    # ------------------------------------------------------------------ wire form
-
-    def to_dict(self) -> dict:
-        """Plain ints, strs and lists (msgpack/JSON-able) from which :meth:`from_dict` rebuilds the layout."""
-        return {
-            "chunk_bytes": self.chunk_bytes,
-            "slots": [[s.name, s.dtype, s.offset, s.numel, list(s.shape)] for s in self.slots],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> FlatLayout:
-        """Rebuild a layout from :meth:`to_dict` output; chunks are recomputed (deterministic)."""
-        try:
-            chunk_bytes = int(data["chunk_bytes"])
-            rows = [(str(n), str(d), int(o), int(k), tuple(int(x) for x in shape)) for n, d, o, k, shape in data["slots"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a FlatLayout dict (expected keys 'chunk_bytes' and 'slots'): {exc}") from None
-        # Rebuild through meta tensors so validation and chunking share one code path.
-        named = [(n, torch.empty(shape, dtype=torch_dtype(d), device="meta", requires_grad=True)) for n, d, _, _, shape in rows]
-        layout = cls.from_named_parameters(named, chunk_bytes)
-        if [(s.offset, s.numel) for s in layout.slots] != [(o, k) for _, _, o, k, _ in rows]:
-            raise ValueError("FlatLayout dict has offsets/numels that do not follow from its shapes")
-        return layout
 
 
 def _first_device(model: nn.Module) -> torch.device:

@@ -18,7 +18,7 @@ class RunReport:
     policy: str
     workers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     final: dict[str, Any] = dataclasses.field(default_factory=dict)
-    placement: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sharding: dict[str, Any] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] = dataclasses.field(default_factory=dict)  # [placement] jobs: plans, stage rates
 
     def _worker(self, worker_id: str) -> dict[str, Any]:
@@ -50,7 +50,7 @@ class RunReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
-                "final": self.final, "placement": self.placement, "pipeline": self.pipeline, "workers": self.summary(),
+                "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "workers": self.summary(),
                 "series": {w: d["series"] for w, d in self.workers.items()}}
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hmp.cluster import JobFailed, LocalCluster
+from hmp.data import ShuffledBatches
 from hmp.job import load
 from hmp.errors import RemoteError
 from hmp.messages import Push, Tensors
@@ -247,10 +248,10 @@ async def test_hfta_sweep_job_trains_members_as_one_fused_array(tmp_path):
     torch.manual_seed(cfg.model.seed)
     array = FusedArray(lambda: build_model("digits_mlp"), members, "sgd")
     data = load_digits_dataset()
-    gen = torch.Generator().manual_seed(cfg.data.seed * 1000)
+    shuffled = ShuffledBatches(len(data.y_train), seed=(cfg.data.seed, 0))  # worker 0's slice: all of it
     bs = cfg.node("gpu0").batch_size
-    for _ in range(2):
-        order = torch.randperm(len(data.y_train), generator=gen)
+    for epoch in range(2):
+        order = shuffled.order(epoch)
         for pos in range(0, len(order), bs):
             idx = order[pos:pos + bs]
             array.step(data.x_train[idx], data.y_train[idx])

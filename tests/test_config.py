@@ -32,8 +32,8 @@ role = "cpu_worker"
 
 
 def test_shipped_configs_load():
-    """Every config in conf/ loads and has the roles a job needs."""
-    for path in sorted((ROOT / "conf").glob("*.toml")):
+    """Every job config in conf/ loads and has the roles a job needs (hosts*.toml are hmp-emulate's host files)."""
+    for path in sorted(p for p in (ROOT / "conf").glob("*.toml") if not p.name.startswith("hosts")):
         cfg = load(path)
         assert cfg.scheduler and cfg.shards and cfg.workers, path
 

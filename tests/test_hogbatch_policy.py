@@ -10,23 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hmp.batching.policy import make_batch_policy
-from hmp.job import load
-
-from .cluster_util import write_config
-from hmp.batching import hogbatch
+from hmp.batching import hogbatch, simulator
+from hmp.batching.adapter import PolicyAdapter
 from hmp.batching.hogbatch import (
     AdaptiveHogbatch,
     Assignment,
-    HogbatchPolicy,
-    SimWorker,
+    BatchPolicy,
     StaticHogbatch,
+    StaticPolicy,
     SyncSGD,
     WorkerReport,
     make_policy,
-    simulate,
-    update_shares,
 )
+from hmp.batching.simulator import SimWorker, simulate
+from hmp.job import load
+
+from .cluster_util import write_config
 
 CPU_GPU = [("c0", "cpu"), ("g0", "gpu")]
 TEN_X = {"c0": SimWorker("cpu", 1000.0), "g0": SimWorker("gpu", 10_000.0)}
@@ -119,8 +118,6 @@ def test_adaptive_clips_batches_to_bounds():
     out = policy.update([rep("c0", "cpu", 100.0, 1.0), rep("g0", "gpu", 100_000.0, 1.0)], 1.0)
     assert out["g0"].batch_size == 32
     assert out["c0"].batch_size == 8
-    fcst = update_shares(out, {"c0": 100.0, "g0": 100_000.0}, policy.live)
-    assert fcst["gpu"] > 0.9  # capped GPU batch: balance unreachable, the forecast says so
 
 
 def test_adaptive_gpu_starts_at_its_configured_batch_until_measured():
@@ -242,8 +239,9 @@ def test_make_policy_builds_each_policy_and_names_the_problem():
     assert isinstance(make_policy("hogbatch", cpu_batch=4, gpu_batch=256), StaticHogbatch)
     adaptive = make_policy("adaptive", base_batch=16, min_batch=2, max_batch=512, threshold=2.0, smoothing=0.3)
     assert isinstance(adaptive, AdaptiveHogbatch) and adaptive.threshold == 2.0
+    assert isinstance(make_policy("static", batch_sizes={"c0": 4}, default_batch=8), StaticPolicy)
     for p in (make_policy("sync", batch_size=8), adaptive):
-        assert isinstance(p, HogbatchPolicy)
+        assert isinstance(p, BatchPolicy)
     with pytest.raises(ValueError, match="expected one of"):
         make_policy("hogwild")
     with pytest.raises(ValueError, match="accepted knobs"):
@@ -318,19 +316,40 @@ def test_assignments_are_always_well_formed(speeds, threshold, smoothing):
             assert all(low <= a.batch_size <= high and isinstance(a.batch_size, int) for a in out.values())
 
 
-def test_policy_module_imports_no_network_or_nodes():
-    """hmp.batching.hogbatch stays pure: it imports neither zmq nor hmp.nodes nor hmp.transport."""
-    tree = ast.parse(Path(hogbatch.__file__).read_text())
+@pytest.mark.parametrize("module", [hogbatch, simulator], ids=lambda m: m.__name__)
+def test_policy_module_imports_no_network_or_nodes(module):
+    """The policies and the simulator stay pure: they import neither zmq nor torch nor hmp.nodes nor hmp.transport."""
+    tree = ast.parse(Path(module.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {n for n in names if n.split(".")[0] in {"zmq", "torch"} or n.startswith(("hmp.nodes", "hmp.transport"))}
+
+
+def test_static_keeps_configured_batches_and_equal_shares():
+    """StaticPolicy: each worker's configured batch (else the default), equal asynchronous shares."""
+    policy = StaticPolicy({"c0": 16, "g0": 256}, default_batch=32)
+    policy.initial(CPU_GPU)
+    out = policy.update([rep("c0", "cpu", 100.0, 1.0), rep("g0", "gpu", 9000.0, 1.0), rep("c1", "cpu", 50.0, 1.0)], 1.0)
+    assert {k: a.batch_size for k, a in out.items()} == {"c0": 16, "g0": 256, "c1": 32}
+    assert shares_sum_to_one(out) and not any(a.sync for a in out.values())
+    assert out["g0"].data_share == pytest.approx(1 / 3)
+
+
+def test_simulator_runs_as_a_tool(capsys):
+    """python -m hmp.batching.simulator prints the shares of a simulated run as JSON."""
+    import json
+
+    assert simulator.main(["hogbatch", "--knob", "cpu_batch=16", "--knob", "gpu_batch=1024", "--worker", "c0=cpu:1000",
+                           "--worker", "g0=gpu:10000", "--seconds", "30"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["update_share"]["cpu"] > 0.85 and out["final"]["g0"]["batch_size"] == 1024
 
 
 def test_a_worker_dropped_as_stale_before_it_joined_can_still_join(tmp_path):
     """With stale_after_s, a slow-starting worker is dropped before its first report; its join
     then gets its configured batch, and its first report registers it again."""
     cfg = load(write_config(tmp_path, policy="adaptive", extra_train="policy_args = { stale_after_s = 2.0 }"))
-    adapter = make_batch_policy(cfg)
+    adapter = PolicyAdapter(cfg)
     for t in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0):
         adapter.update("cpu0", {"samples": 100 * t, "busy_s": 0.1 * t, "updates": int(10 * t), "batch_size": 16}, t)
     assert "gpu0" not in adapter.policy.live

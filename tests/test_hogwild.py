@@ -252,17 +252,23 @@ def test_load_flat_round_trips_and_checks_shape():
         trainer.load_flat(torch.zeros(trainer.numel + 1))
 
 
-def test_run_restores_the_intra_op_thread_count():
-    """run() sets intra-op threads for the threads' sake and puts the old value back."""
-    torch.set_num_threads(2)
+def test_run_leaves_the_intra_op_thread_count_alone():
+    """run() never changes torch's process-wide intra-op thread count (a daemon sets it once, at start)."""
+    torch.set_num_threads(2)  # the fixture puts the old value back
     X, y = small_problem()
-    HogwildTrainer(small_model(), threads=1, lr=0.05, batch_size=8, loss_fn=nn.CrossEntropyLoss()).run(X, y, max_updates=2)
-    assert torch.get_num_threads() == 2
+    seen = set()
+
+    def loss_fn(out, target):
+        seen.add(torch.get_num_threads())  # on a Hogwild thread
+        return nn.functional.cross_entropy(out, target)
+
+    HogwildTrainer(small_model(), threads=2, lr=0.05, batch_size=8, loss_fn=loss_fn).run(X, y, max_updates=4)
+    assert seen == {2} and torch.get_num_threads() == 2
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(threads=0), dict(lr=0.0), dict(batch_size=0), dict(loss_fn=None), dict(intra_op_threads=0), dict(threads=True)],
+    [dict(threads=0), dict(lr=0.0), dict(batch_size=0), dict(loss_fn=None), dict(threads=True)],
 )
 def test_invalid_trainer_arguments_raise(kwargs):
     """Constructor arguments out of range raise ValueError naming what was expected."""

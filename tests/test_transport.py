@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import pathlib
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -16,10 +19,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from hmp.errors import RemoteError, RequestError, RequestTimeout
+from hmp.errors import EndpointClosed, PeerLost, RemoteError, RequestError, RequestTimeout
 from hmp.messages import Ack, Error, Heartbeat, Kind, Pull, Tensors
+from hmp.transport import eager as eager_start
 from hmp.transport.codec import DTYPES, Limits, decode, encode
-from hmp.transport.endpoint import Client, Server, wait_sent
+from hmp.transport.endpoint import Client, Reply, Server, hwm_for, wait_sent
 
 
 async def echo(msg, peer):
@@ -100,7 +104,8 @@ GARBAGE = [
 
 
 async def test_live_server_answers_garbage_with_errors_and_keeps_serving(server):
-    """Garbage from a raw zmq socket gets error replies (with the request id when readable) while a good client is served."""
+    """Garbage from a raw zmq socket gets error replies when its request id is readable (and
+    nothing when it is not: rid 0 is never answered) while a good client is served."""
     ctx = zmq.asyncio.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -109,15 +114,15 @@ async def test_live_server_answers_garbage_with_errors_and_keeps_serving(server)
         async with Client(server.address) as good:
             for frames in GARBAGE:
                 await raw.send_multipart(frames)
-                reply = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
-                assert isinstance(reply, Error)
                 ok = await good.request(Tensors(name="still", tensors=(torch.ones(3),)))
                 assert torch.equal(ok.tensors[0], torch.ones(3))
             rids = []
-            for frames in GARBAGE[3:]:
-                await raw.send_multipart(frames)
-                rids.append(decode(await asyncio.wait_for(raw.recv_multipart(), 5)).rid)
-            assert rids == [77, 78, 79]
+            for _ in GARBAGE[3:]:
+                reply = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
+                assert isinstance(reply, Error)
+                rids.append(reply.rid)
+            assert rids == [77, 78, 79]  # the first three had no readable rid: no reply
+            assert await raw.poll(100) == 0
     finally:
         raw.close(linger=0)
     assert server.stats["errors"] >= len(GARBAGE)
@@ -357,3 +362,333 @@ async def test_one_way_messages_get_no_reply(tcp_address):
         finally:
             sock.close()
             ctx.term()
+
+
+# ----------------------------------------------------------------------------- one reply path
+
+class _Raw:
+    """A raw DEALER socket speaking the wire format directly (to send rid 0 and broken messages)."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    async def send(self, msg, rid: int) -> None:
+        await self.sock.send_multipart(encode(msg, rid=rid, sender="raw"))
+
+    async def recv(self):
+        return decode(await asyncio.wait_for(self.sock.recv_multipart(), 5))
+
+    async def nothing_more(self, ms: int = 150) -> bool:
+        return await self.sock.poll(ms) == 0
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+async def boom(msg, peer):
+    raise ValueError("a handler bug")
+
+
+async def test_one_way_messages_get_no_error_replies_either(tcp_address):
+    """rid 0 is never answered: not a handler's RequestError, a handler bug, an unserved kind or
+    a message that does not decode; the same failures with a rid are answered."""
+    async with Server(tcp_address, {Kind.PULL: refuse, Kind.HEARTBEAT: boom}) as srv:
+        raw = _Raw(srv.address)
+        bad_version = msgpack.packb({"version": 9, "kind": "pull", "sender": "", "rid": 0, "fields": {}, "tensors": []})
+        try:
+            await raw.send(Pull(keys=(1,)), rid=0)  # RequestError
+            await raw.send(Heartbeat(), rid=0)  # handler bug: internal
+            await raw.send(Tensors(name="x", tensors=()), rid=0)  # unknown_op
+            await raw.sock.send_multipart([bad_version])  # decode error
+            assert await raw.nothing_more()
+            assert srv.stats["unanswered_one_way_errors"] == 4
+            for rid, msg in ((11, Pull(keys=(1,))), (12, Heartbeat()), (13, Tensors(name="x", tensors=()))):
+                await raw.send(msg, rid=rid)
+                reply = await raw.recv()
+                assert isinstance(reply, Error) and reply.rid == rid
+        finally:
+            raw.close()
+
+
+async def test_a_closing_server_answers_requests_but_not_one_way_messages(tcp_address):
+    """While a server closes, new requests get shutting_down (with their rid); one-way messages
+    nothing; the request whose handler is cancelled at the end of the grace period gets
+    shutting_down too, but a one-way one does not."""
+    started = asyncio.Event()
+
+    async def stuck(msg, peer):
+        started.set()
+        await asyncio.sleep(30)
+
+    srv = Server(tcp_address, {Kind.TENSORS: stuck, Kind.HEARTBEAT: slow})
+    await srv.start()
+    raw = _Raw(srv.address)
+    try:
+        await raw.send(Tensors(name="one-way", tensors=()), rid=0)
+        await asyncio.wait_for(started.wait(), 5)
+        started.clear()
+        await raw.send(Tensors(name="request", tensors=()), rid=21)
+        await asyncio.wait_for(started.wait(), 5)
+        closing = asyncio.create_task(srv.close(grace_s=0.5))
+        await asyncio.sleep(0.05)
+        await raw.send(Heartbeat(), rid=0)
+        await raw.send(Heartbeat(), rid=22)
+        first = await raw.recv()
+        assert isinstance(first, Error) and first.code == "shutting_down" and first.rid == 22
+        await closing
+        second = await raw.recv()  # the cancelled handler of request 21
+        assert isinstance(second, Error) and second.code == "shutting_down" and second.rid == 21
+        assert await raw.nothing_more()
+    finally:
+        raw.close()
+
+
+async def test_closing_a_client_fails_its_pending_requests(tcp_address):
+    """Requests pending when their client closes fail at once with EndpointClosed."""
+    async with Server(tcp_address, HANDLERS) as srv:
+        client = Client(srv.address)
+        await client.connect()
+        pending = [asyncio.create_task(client.request(Heartbeat(), timeout_s=20)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        await client.close()
+        results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
+        assert all(isinstance(r, EndpointClosed) for r in results)
+        with pytest.raises(EndpointClosed):
+            await client.request(Heartbeat())
+
+
+async def test_pending_requests_fail_with_peer_lost_when_the_peer_goes(tcp_address):
+    """The endpoint has no liveness detection of its own (the nodes' heartbeats do that): when a
+    server vanishes without answering, fail_pending(PeerLost) ends the waits at once."""
+    srv = Server(tcp_address, HANDLERS)
+    await srv.start()
+    async with Client(srv.address) as client:
+        pending = [asyncio.create_task(client.request(Heartbeat(), timeout_s=20)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        srv._chan.close()  # the peer's socket is gone, no goodbye (as when its process dies)
+        assert client.fail_pending(PeerLost("server lost")) == 2
+        results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
+        assert all(isinstance(r, PeerLost) for r in results)
+    srv._chan = None
+
+
+class _TearingSocket(zmq.Socket):
+    """A DEALER whose pipe is torn down after ``tear_at`` parts of a message (as when the peer's
+    connection drops mid-message): that part fails with EHOSTUNREACH."""
+
+    tear_at: int | None = None
+    parts = 0
+
+    def send(self, data, flags=0, copy=True, track=False, **kw):
+        self.parts += 1
+        if self.tear_at is not None and self.parts == self.tear_at:
+            self.tear_at = None
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+        return super().send(data, flags, copy=copy, track=track, **kw)
+
+
+async def test_a_send_torn_mid_message_raises_peer_lost_and_the_next_message_is_clean(tcp_address):
+    """PeerLost on a torn send: the message's other parts are handed over so that libzmq drops
+    them, and the next message arrives whole (the peer never sees the torn one)."""
+    seen = []
+
+    async def keep(msg, peer):
+        seen.append(msg.name)
+        return Ack()
+
+    ctx = _TearingContext()
+    async with Server(tcp_address, {Kind.TENSORS: keep}) as srv:
+        client = Client(srv.address, ctx=ctx)
+        await client.connect()
+        try:
+            assert isinstance(client._chan.sock, _TearingSocket)
+            client._chan.sock.tear_at = 2  # the header went out, the first data frame fails
+            with pytest.raises(PeerLost):
+                await client.send(Tensors(name="torn", tensors=(torch.ones(4), torch.ones(4))))
+            reply = await client.request(Tensors(name="next", tensors=(torch.ones(2),)), timeout_s=5)
+            assert isinstance(reply, Ack) and seen == ["next"]
+        finally:
+            await client.close()
+            ctx.term()
+
+
+class _TearingContext(zmq.Context):
+    _socket_class = _TearingSocket
+
+    def socket(self, socket_type, socket_class=None, **kw):
+        return super().socket(socket_type, socket_class=_TearingSocket, **kw)
+
+
+async def test_a_tracked_reply_reports_when_libzmq_let_go(tcp_address):
+    """A handler returning Reply(msg, on_sent) hears once its buffers are free: True when sent,
+    at once for a one-way request (not answered), False when the server closed first."""
+    calls = []
+    big = torch.ones(1 << 20)  # 4 MiB: zero-copy (over pyzmq's copy threshold)
+
+    async def tracked(msg, peer):
+        return Reply(Tensors(name=msg.name, tensors=(big,)), lambda sent: calls.append((msg.name, sent)))
+
+    async with Server(tcp_address, {Kind.TENSORS: tracked}) as srv:
+        async with Client(srv.address) as client:
+            reply = await client.request(Tensors(name="a", tensors=()))
+            assert torch.equal(reply.tensors[0], big)
+            for _ in range(100):
+                if calls:
+                    break
+                await asyncio.sleep(0.01)
+            assert calls == [("a", True)]
+            await client.send(Tensors(name="one-way", tensors=()))
+            await asyncio.sleep(0.05)
+            assert calls[-1] == ("one-way", True)
+
+
+# ----------------------------------------------------------------------------- backpressure, no spinning
+
+def _cpu_seconds_over(seconds: float):
+    """CPU time this process (event loop and libzmq threads) spends while the caller sleeps."""
+    async def measure():
+        t0 = time.process_time()
+        await asyncio.sleep(seconds)
+        return time.process_time() - t0
+    return measure()
+
+
+async def test_a_server_at_its_inflight_cap_stops_reading_and_resumes(tcp_address):
+    """With max_inflight=2, two suspended handlers stop the reader: further requests wait
+    unread (in libzmq, not in handlers), the loop does not spin meanwhile, and releasing the
+    handlers lets the rest in, every request answered."""
+    release = asyncio.Event()
+    started = []
+
+    async def hold(msg, peer):
+        started.append(msg.step)
+        await release.wait()
+        return Ack(detail=str(msg.step))
+
+    async with Server(tcp_address, {Kind.HEARTBEAT: hold}, max_inflight=2) as srv:
+        async with Client(srv.address) as client:
+            pending = [asyncio.create_task(client.request(Heartbeat(step=i), timeout_s=10)) for i in range(6)]
+            await asyncio.sleep(0.1)
+            assert started == [0, 1] and not srv.reading and srv.stats["requests"] == 2
+            assert await _cpu_seconds_over(0.3) < 0.1  # paused: no busy loop on the readable FD
+            release.set()
+            replies = await asyncio.wait_for(asyncio.gather(*pending), 5)
+            assert [r.detail for r in replies] == [str(i) for i in range(6)]
+            assert sorted(started) == list(range(6)) and srv.reading and srv.stats["paused"] >= 1
+
+
+async def test_blocked_sends_and_tracker_waits_do_not_spin():
+    """A send waiting for room and a wait for a tracked send sleep until something changes:
+    waiting costs next to no CPU (uvloop makes sub-0.5 ms sleeps a spin)."""
+    port = _free_tcp_port()
+    async with Client(f"tcp://127.0.0.1:{port}", hwm=2) as client:  # nobody listens: nothing leaves
+        tracker = await client.send(Tensors(name="x", tensors=(torch.ones(1 << 18),)), track=True)
+        senders = [asyncio.create_task(client.send(Heartbeat(step=i))) for i in range(10)]
+        waiter = asyncio.create_task(wait_sent(tracker, timeout_s=30))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and sum(t.done() for t in senders) < 10
+        assert await _cpu_seconds_over(0.5) < 0.15
+        got = []
+
+        async def count(msg, peer):
+            got.append(msg.kind)
+
+        async with Server(f"tcp://127.0.0.1:{port}", {Kind.TENSORS: count, Kind.HEARTBEAT: count}):
+            await asyncio.wait_for(asyncio.gather(waiter, *senders), 10)
+
+
+def test_high_water_marks_follow_memory_not_message_counts():
+    assert hwm_for(Limits(queue_bytes=1 << 30), 64 << 20) == 16
+    assert hwm_for(Limits(queue_bytes=1 << 30), 1 << 20) == 1024
+    assert hwm_for(Limits(queue_bytes=1 << 20), 64 << 20) == 16  # the floor
+
+
+# ----------------------------------------------------------------------------- eager start, every interpreter
+
+_EAGER_PROBE = r"""
+import asyncio, contextvars, importlib.util, sys
+spec = importlib.util.spec_from_file_location("eager", sys.argv[1])
+eager = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(eager)
+var = contextvars.ContextVar("var", default="unset")
+
+async def handler(name, suspend, log):
+    log.append(("first", name, var.get(), asyncio.current_task() is not None))
+    var.set(name)
+    if suspend:
+        await asyncio.sleep(0.01)
+    log.append(("rest", name, var.get()))
+    return name
+
+async def main(native):
+    loop, log = asyncio.get_running_loop(), []
+    tasks = []
+    def cb():
+        for name, suspend in (("a", False), ("b", True), ("c", False)):
+            tasks.append(eager.start_eager(handler(name, suspend, log), loop, native=native))
+        log.append(("callback done",))
+    loop.call_soon(cb)
+    await asyncio.sleep(0.05)
+    assert [t is None for t in tasks] == [True, False, True], tasks
+    assert tasks[1].result() == "b"
+    # every first step ran inside the callback, before it returned; each in a fresh context
+    assert log[:5] == [("first", "a", "unset", native), ("rest", "a", "a"), ("first", "b", "unset", native),
+                       ("first", "c", "unset", native), ("rest", "c", "c")], log
+    assert log[5:] == [("callback done",), ("rest", "b", "b")], log
+    assert var.get() == "unset"
+    # a suspended one can be cancelled
+    def cb2():
+        tasks.append(eager.start_eager(asyncio.sleep(30), loop, native=native))
+    loop.call_soon(cb2)
+    await asyncio.sleep(0)
+    tasks[-1].cancel()
+    try:
+        await tasks[-1]
+    except asyncio.CancelledError:
+        pass
+    else:
+        raise AssertionError("not cancelled")
+    if native:  # a timeout may start before the first suspension
+        async def timed():
+            await asyncio.wait_for(asyncio.sleep(0.01), 1)
+            return "ok"
+        box = []
+        loop.call_soon(lambda: box.append(eager.start_eager(timed(), loop, native=True)))
+        await asyncio.sleep(0.05)
+        assert box[0].result() == "ok"
+
+for native in ([False, True] if eager.NATIVE else [False]):
+    asyncio.run(main(native))
+print("ok", sys.version_info[:2], eager.NATIVE)
+"""
+
+
+def _find_python(version: str) -> str | None:
+    """An interpreter of ``version`` ("3.12") that runs: on PATH, or installed by pyenv (whose
+    PATH shims refuse versions not selected)."""
+    root = pathlib.Path(os.environ.get("PYENV_ROOT", pathlib.Path.home() / ".pyenv"))
+    installed = sorted(map(str, root.glob(f"versions/{version}*/bin/python{version}")))
+    candidates = [shutil.which(f"python{version}"), *installed]
+    for exe in filter(None, candidates):
+        ok = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True,
+                            timeout=30)
+        if ok.returncode == 0 and ok.stdout.strip() == str(tuple(map(int, version.split(".")))):
+            return exe
+    return None
+
+
+@pytest.mark.parametrize("version", ["current", "3.12", "3.13"])
+def test_eager_start_on_every_interpreter(version):
+    """The eager start's two paths: the 3.11 one (a first step outside any Task, then _Resume) and
+    3.12+'s native eager Task, which CI (3.11) never takes; run under each interpreter found here
+    (the helper is stdlib-only, loaded by path; on 3.12+ both paths run)."""
+    exe = sys.executable if version == "current" else _find_python(version)
+    if exe is None:
+        pytest.skip(f"no Python {version} on this machine: its eager-start branch is not exercised here")
+    probe = subprocess.run([exe, "-c", _EAGER_PROBE, str(pathlib.Path(eager_start.__file__))], capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.startswith("ok")

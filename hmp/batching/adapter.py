@@ -1,11 +1,12 @@
-"""The scheduler's bridge to the Hogbatch policies (:mod:`hmp.batching.hogbatch`).
+"""The scheduler's side of the batch policies (:mod:`hmp.batching.hogbatch`).
 
-Workers report cumulative counters; the policies want per-interval rates. This adapter keeps each
-worker's previous report, turns the difference into a :class:`WorkerReport` and returns the
-policy's batch size and data share for the reporting worker. Knobs the config leaves out default
-from the topology: ``sync`` takes ``[train] batch_size``; ``hogbatch`` takes the CPU and GPU
-workers' configured batch sizes; ``adaptive`` takes the CPU worker's as ``base_batch`` and
-the GPU worker's as ``initial_gpu_batch`` (its batch until its speed is measured).
+Workers report cumulative counters; the policies want per-interval rates. :class:`PolicyAdapter`
+keeps each worker's previous report, turns the difference into a :class:`WorkerReport` and returns
+the policy's batch size and data share for the reporting worker. Knobs the config leaves out default
+from the topology: ``static`` keeps each worker's configured batch size; ``sync`` takes ``[train]
+batch_size``; ``hogbatch`` takes the CPU and GPU workers' configured batch sizes; ``adaptive`` takes
+the CPU worker's as ``base_batch`` and the GPU worker's as ``initial_gpu_batch`` (its batch until its
+speed is measured).
 
 Speeds are measured on *compute* time by default (``policy_args.speed = "compute"``): examples per
 second spent in forward/backward (the worker's ``busy_s``), not per wall-clock second. With a fixed
@@ -20,31 +21,31 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hmp.config import Config
-from hmp.errors import ConfigError
 from hmp.batching.hogbatch import WorkerReport, make_policy
+from hmp.config import BatchPolicyKind, Config, Role
+from hmp.errors import ConfigError
 
 
-def _kind(role: str) -> str:
-    return "gpu" if role == "gpu_worker" else "cpu"
-
-
-def default_knobs(cfg: Config) -> dict[str, Any]:
-    sizes = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
-    cpu = [sizes[w.id] for w in cfg.workers if w.role == "cpu_worker"] or [cfg.train.batch_size]
-    gpu = [sizes[w.id] for w in cfg.workers if w.role == "gpu_worker"] or [max(cpu)]
-    if cfg.train.policy == "sync":
+def _default_knobs(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
+    policy = cfg.train.policy
+    if policy == BatchPolicyKind.STATIC:
+        return {"batch_sizes": sizes, "default_batch": cfg.train.batch_size}
+    if policy == BatchPolicyKind.SYNC:
         return {"batch_size": cfg.train.batch_size}
-    if cfg.train.policy == "hogbatch":
+    cpu = [sizes[w.id] for w in cfg.workers if w.role == Role.CPU_WORKER] or [cfg.train.batch_size]
+    gpu = [sizes[w.id] for w in cfg.workers if w.role == Role.GPU_WORKER] or [max(cpu)]
+    if policy == BatchPolicyKind.HOGBATCH:
         return {"cpu_batch": min(cpu), "gpu_batch": max(gpu)}
     return {"base_batch": min(cpu), "max_batch": max(4096, max(gpu)), "initial_gpu_batch": max(gpu)}
 
 
-class HogbatchAdapter:
-    """``initial / update / forget`` for the scheduler, backed by one Hogbatch policy."""
+class PolicyAdapter:
+    """``initial / update / forget`` per worker for the scheduler, backed by the job's batch policy
+    (``[train] policy`` and ``policy_args``)."""
 
     def __init__(self, cfg: Config) -> None:
-        knobs = {**default_knobs(cfg), **cfg.train.policy_args}
+        self.configured = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
+        knobs = {**_default_knobs(cfg, self.configured), **cfg.train.policy_args}
         self.speed_basis = knobs.pop("speed", "compute")
         if self.speed_basis not in ("compute", "wall"):
             raise ConfigError(cfg.path, "train.policy_args.speed", f'"compute" or "wall", got {self.speed_basis!r}')
@@ -52,8 +53,7 @@ class HogbatchAdapter:
             self.policy = make_policy(cfg.train.policy, **knobs)
         except ValueError as exc:
             raise ConfigError(cfg.path, "train.policy_args", str(exc)) from None
-        self.kinds = {w.id: _kind(w.role) for w in cfg.workers}
-        self.configured = {w.id: w.batch_size or cfg.train.batch_size for w in cfg.workers}
+        self.kinds = {w.id: "gpu" if w.role == Role.GPU_WORKER else "cpu" for w in cfg.workers}
         self.default_batch = cfg.train.batch_size
         self.assignments = self.policy.initial(list(self.kinds.items()))
         self.last: dict[str, tuple[float, float, float]] = {}  # worker -> (time, samples, busy)
@@ -93,7 +93,6 @@ class HogbatchAdapter:
 
 
 def check_config(cfg: Config) -> None:
-    """``[train] policy_args``: the Hogbatch policies' knobs, judged by the policies themselves
-    (raises ConfigError naming ``train.policy_args``)."""
-    if cfg.train.policy in ("sync", "hogbatch", "adaptive"):
-        HogbatchAdapter(cfg)
+    """``[train] policy_args``: the batch policy's knobs, judged by the policy itself (raises
+    ConfigError naming ``train.policy_args``)."""
+    PolicyAdapter(cfg)

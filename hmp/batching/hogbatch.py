@@ -3,11 +3,12 @@ CPU+GPU Stochastic Gradient Descent Algorithms", arXiv:2004.08771).
 
 Pure: no sockets, no clocks, no threads. A policy takes the workers' :class:`WorkerReport` s and
 returns one :class:`Assignment` per live worker (batch size, expected share of the data, whether
-updates are synchronous). The scheduler node feeds it reports and turns the assignments into
-``Assign`` messages; the tests feed it scripted reports or the virtual-time :func:`simulate`.
+updates are synchronous). The scheduler feeds it reports through :mod:`hmp.batching.adapter`; the
+tests feed it scripted reports or the virtual-time simulator (:mod:`hmp.batching.simulator`).
 
-Three policies, one interface (:class:`HogbatchPolicy`):
+One policy concept, the base class :class:`BatchPolicy`, and one subclass per ``[train] policy``:
 
+* :class:`StaticPolicy` -- every worker keeps its configured batch size; equal data shares.
 * :class:`SyncSGD` -- the baseline: bulk-synchronous data-parallel SGD, one batch size
   everywhere, equal data shares.
 * :class:`StaticHogbatch` -- CPU+GPU Hogbatch: fixed small CPU batches, fixed large GPU batches,
@@ -25,12 +26,14 @@ the others at once. A report from an unknown worker id registers it (late join o
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import inspect
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
 
+from hmp.config import BatchPolicyKind
+from hmp.ema import ema
+
+#: a worker's device kind, as the policies see it (the adapter maps ``gpu_worker`` to "gpu")
 WORKER_KINDS = ("cpu", "gpu")
 
 
@@ -41,7 +44,7 @@ class WorkerReport:
     """One worker's progress, as the scheduler received it.
 
     ``samples_per_s``: examples processed per second over the worker's last report interval. The
-    scheduler passes per *compute* second by default (``hogbatch_adapter``: wall-clock speed grows
+    scheduler passes per *compute* second by default (:mod:`hmp.batching.adapter`: wall-clock speed grows
     with the batch when each update has a fixed communication cost, which made Adaptive Hogbatch
     run away); per wall-clock second with ``policy_args.speed = "wall"``. ``updates``: model updates since the worker started (cumulative). ``loss``: mean
     training loss over the interval, ``nan`` when not measured. ``busy_fraction``: share of the
@@ -93,27 +96,7 @@ class Assignment:
     sync: bool
 
 
-@runtime_checkable
-class HogbatchPolicy(Protocol):
-    """The interface the scheduler programs against."""
-
-    name: str
-
-    def initial(self, workers: Sequence[tuple[str, str]]) -> dict[str, Assignment]:
-        """Register ``(worker_id, kind)`` pairs and return their first assignments."""
-        ...
-
-    def update(self, reports: Sequence[WorkerReport], now_s: float) -> dict[str, Assignment]:
-        """Fold in reports received at scheduler time ``now_s`` (seconds); return assignments
-        for every live worker."""
-        ...
-
-    def forget(self, worker_id: str) -> dict[str, Assignment]:
-        """Drop a worker that left; return the remaining workers' assignments."""
-        ...
-
-
-# ----------------------------------------------------------------------------- shared base
+# ----------------------------------------------------------------------------- the policy concept
 
 @dataclasses.dataclass(slots=True)
 class _Worker:
@@ -123,10 +106,13 @@ class _Worker:
     last_report_time_s: float = -math.inf  # worker clock of the last accepted report
 
 
-class _PolicyBase:
-    """Worker table, smoothing, staleness and share computation shared by the policies."""
+class BatchPolicy:
+    """A batch policy: ``initial(workers)``, ``update(reports, now_s)`` and ``forget(worker_id)``
+    each return ``{worker_id: Assignment}`` for every live worker. The base keeps the worker
+    table, the smoothed speeds, staleness and the throughput shares; a subclass says how the
+    table turns into assignments (``_assign``)."""
 
-    name = "base"
+    name: BatchPolicyKind
 
     def __init__(self, smoothing: float, stale_after_s: float | None) -> None:
         if not _finite(smoothing) or not 0.0 <= smoothing < 1.0:
@@ -140,7 +126,8 @@ class _PolicyBase:
     # -- the interface
 
     def initial(self, workers: Sequence[tuple[str, str]]) -> dict[str, Assignment]:
-        """Replace the worker table with ``(worker_id, kind)`` pairs; nothing measured yet."""
+        """Replace the worker table with ``(worker_id, kind)`` pairs (nothing measured yet) and
+        return their first assignments."""
         ids = [w for w, _ in workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker ids must be unique, got {ids}")
@@ -152,6 +139,8 @@ class _PolicyBase:
         return self._assign()
 
     def update(self, reports: Sequence[WorkerReport], now_s: float) -> dict[str, Assignment]:
+        """Fold in reports received at scheduler time ``now_s`` (seconds); a report from an
+        unknown worker registers it."""
         if not _finite(now_s):
             raise ValueError(f"now_s must be a finite number of seconds, got {now_s!r}")
         for r in reports:  # validate all before changing anything
@@ -181,6 +170,7 @@ class _PolicyBase:
         return self._assign()
 
     def forget(self, worker_id: str) -> dict[str, Assignment]:
+        """Drop a worker that left; return the remaining workers' assignments."""
         if worker_id not in self._workers:
             raise KeyError(f"unknown worker {worker_id!r}; live workers are {sorted(self._workers)}")
         del self._workers[worker_id]
@@ -200,11 +190,8 @@ class _PolicyBase:
     # -- for subclasses
 
     def _observe(self, w: _Worker, r: WorkerReport) -> None:
-        if w.speed is None:
-            if r.samples_per_s > 0:  # a zero before any work is "not started", not "stalled"
-                w.speed = r.samples_per_s
-            return
-        w.speed = self.smoothing * w.speed + (1.0 - self.smoothing) * r.samples_per_s
+        if w.speed is not None or r.samples_per_s > 0:  # a zero before any work is "not started", not "stalled"
+            w.speed = ema(w.speed, r.samples_per_s, self.smoothing)
 
     def _speeds(self) -> dict[str, float]:
         """Speed per live worker; unmeasured workers are assumed as fast as the measured mean
@@ -229,11 +216,27 @@ class _PolicyBase:
 
 # ----------------------------------------------------------------------------- policies
 
-class SyncSGD(_PolicyBase):
+class StaticPolicy(BatchPolicy):
+    """Every worker keeps its configured batch size (``batch_sizes[worker_id]``, else
+    ``default_batch``) and an equal share of the data (its own slice); updates are asynchronous."""
+
+    name = BatchPolicyKind.STATIC
+
+    def __init__(self, batch_sizes: Mapping[str, int], default_batch: int, stale_after_s: float | None = None) -> None:
+        super().__init__(0.5, stale_after_s)  # speeds are only tracked for estimates()
+        self.batch_sizes = {k: _check_batch(f"batch_sizes[{k!r}]", b) for k, b in batch_sizes.items()}
+        self.default_batch = _check_batch("default_batch", default_batch)
+
+    def _assign(self) -> dict[str, Assignment]:
+        n = len(self._workers)
+        return {k: Assignment(k, self.batch_sizes.get(k, self.default_batch), 1.0 / n, False) for k in self._workers}
+
+
+class SyncSGD(BatchPolicy):
     """Bulk-synchronous data-parallel SGD: every worker uses ``batch_size`` examples per step
     and takes an equal share of the data; the step waits for the slowest worker."""
 
-    name = "sync"
+    name = BatchPolicyKind.SYNC
 
     def __init__(self, batch_size: int, stale_after_s: float | None = None) -> None:
         super().__init__(0.5, stale_after_s)  # speeds are only tracked for estimates()
@@ -244,13 +247,13 @@ class SyncSGD(_PolicyBase):
         return {k: Assignment(k, self.batch_size, 1.0 / n, True) for k in self._workers}
 
 
-class StaticHogbatch(_PolicyBase):
+class StaticHogbatch(BatchPolicy):
     """CPU+GPU Hogbatch: CPU workers use ``cpu_batch`` (small, Hogwild style), GPU workers
     ``gpu_batch`` (large); updates are asynchronous and data is handed out first-come-first-
     served, so data shares follow the smoothed throughputs. The update rate of a worker is
     ``samples_per_s / batch_size``, so the CPU side makes most of the updates."""
 
-    name = "hogbatch"
+    name = BatchPolicyKind.HOGBATCH
 
     def __init__(self, cpu_batch: int, gpu_batch: int, smoothing: float = 0.5, stale_after_s: float | None = None) -> None:
         super().__init__(smoothing, stale_after_s)
@@ -261,7 +264,7 @@ class StaticHogbatch(_PolicyBase):
         return {k: Assignment(k, self.batches[w.kind], shares[k], False) for k, w in self._workers.items()}
 
 
-class AdaptiveHogbatch(_PolicyBase):
+class AdaptiveHogbatch(BatchPolicy):
     """Adaptive Hogbatch: batch sizes proportional to the smoothed speeds, so update rates
     (``samples_per_s / batch_size``) become equal.
 
@@ -276,7 +279,7 @@ class AdaptiveHogbatch(_PolicyBase):
     throughput (first-come-first-served). See docs/hogbatch.md for why this rule.
     """
 
-    name = "adaptive"
+    name = BatchPolicyKind.ADAPTIVE
 
     def __init__(
         self,
@@ -324,17 +327,18 @@ class AdaptiveHogbatch(_PolicyBase):
         return out
 
 
-POLICIES: dict[str, type[_PolicyBase]] = {"sync": SyncSGD, "hogbatch": StaticHogbatch, "adaptive": AdaptiveHogbatch}
+POLICIES: dict[BatchPolicyKind, type[BatchPolicy]] = {cls.name: cls for cls in (StaticPolicy, SyncSGD, StaticHogbatch,
+                                                                                  AdaptiveHogbatch)}
 
 
-def make_policy(name: str, **knobs) -> HogbatchPolicy:
-    """Build a policy by name (``"sync"``, ``"hogbatch"``, ``"adaptive"``) with its knobs as
-    keywords; unknown names, unknown knobs and missing required knobs raise ``ValueError``
-    listing what is accepted."""
+def make_policy(name: str, **knobs) -> BatchPolicy:
+    """Build a policy by name (a :class:`~hmp.config.BatchPolicyKind`) with its knobs as keywords;
+    unknown names, unknown knobs and missing required knobs raise ``ValueError`` listing what is
+    accepted."""
     try:
         cls = POLICIES[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown Hogbatch policy {name!r}; expected one of {sorted(POLICIES)}") from None
+        raise ValueError(f"unknown batch policy {name!r}; expected one of {[str(k) for k in POLICIES]}") from None
     params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
     unknown = sorted(set(knobs) - set(params))
     if unknown:
@@ -343,203 +347,6 @@ def make_policy(name: str, **knobs) -> HogbatchPolicy:
     if missing:
         raise ValueError(f"policy {name!r} needs knob(s) {missing}")
     return cls(**knobs)
-
-
-# ----------------------------------------------------------------------------- simulator
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SimWorker:
-    """A virtual worker for :func:`simulate`.
-
-    Throughput at batch size ``b`` is ``samples_per_s * b / (b + half_batch)`` samples/s
-    (``half_batch`` = 0: flat, like a Hogwild CPU; large: a GPU that needs big batches to be
-    busy), multiplied by ``slow_factor`` from ``slow_at_s`` on. From ``leave_at_s`` on the
-    worker is gone: its batch in flight is lost and it stops reporting.
-    """
-
-    kind: str
-    samples_per_s: float
-    half_batch: float = 0.0
-    slow_at_s: float | None = None
-    slow_factor: float = 1.0
-    leave_at_s: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_kind(self.kind)
-        if not _finite(self.samples_per_s) or self.samples_per_s <= 0:
-            raise ValueError(f"samples_per_s must be > 0, got {self.samples_per_s!r}")
-        if not _finite(self.half_batch) or self.half_batch < 0:
-            raise ValueError(f"half_batch must be >= 0, got {self.half_batch!r}")
-        if not _finite(self.slow_factor) or self.slow_factor <= 0:
-            raise ValueError(f"slow_factor must be > 0, got {self.slow_factor!r}")
-
-    def speed(self, batch: int, t: float) -> float:
-        """Samples/s when running batches of ``batch`` at virtual time ``t`` seconds."""
-        factor = self.slow_factor if self.slow_at_s is not None and t >= self.slow_at_s else 1.0
-        return factor * self.samples_per_s * batch / (batch + self.half_batch)
-
-    def alive(self, t: float) -> bool:
-        return self.leave_at_s is None or t < self.leave_at_s
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SimStep:
-    """One report interval of :func:`simulate`: it ends at virtual time ``t_s``; ``updates`` and
-    ``samples`` were completed per worker in the interval; ``assignments`` is what the policy
-    returned at its end (for the entry at ``t_s`` = 0: the initial assignments, no counts)."""
-
-    t_s: float
-    updates: dict[str, int]
-    samples: dict[str, int]
-    assignments: dict[str, Assignment]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SimResult:
-    """Outcome of :func:`simulate`: worker kinds and one :class:`SimStep` per report."""
-
-    kinds: dict[str, str]
-    steps: tuple[SimStep, ...]
-
-    def _total(self, field: str, since_s: float, until_s: float) -> dict[str, int]:
-        out = dict.fromkeys(self.kinds, 0)
-        for step in self.steps:
-            if since_s < step.t_s <= until_s:
-                for k, n in getattr(step, field).items():
-                    out[k] += n
-        return out
-
-    def updates(self, since_s: float = 0.0, until_s: float = math.inf) -> dict[str, int]:
-        """Model updates per worker completed in the intervals ending in ``(since_s, until_s]``."""
-        return self._total("updates", since_s, until_s)
-
-    def samples(self, since_s: float = 0.0, until_s: float = math.inf) -> dict[str, int]:
-        """Examples per worker processed in the intervals ending in ``(since_s, until_s]``."""
-        return self._total("samples", since_s, until_s)
-
-    def update_share(self, kind: str, since_s: float = 0.0, until_s: float = math.inf) -> float:
-        """Fraction of the model updates made by workers of ``kind`` (0 when there were none)."""
-        return self._share(self.updates(since_s, until_s), kind)
-
-    def sample_share(self, kind: str, since_s: float = 0.0, until_s: float = math.inf) -> float:
-        """Fraction of the examples processed by workers of ``kind`` (0 when there were none)."""
-        return self._share(self.samples(since_s, until_s), kind)
-
-    def _share(self, counts: dict[str, int], kind: str) -> float:
-        total = sum(counts.values())
-        return sum(n for k, n in counts.items() if self.kinds[k] == kind) / total if total else 0.0
-
-    def assignments_at(self, t_s: float) -> dict[str, Assignment]:
-        """The assignments in force at virtual time ``t_s`` (returned by the last report <= t_s)."""
-        current = self.steps[0].assignments
-        for step in self.steps:
-            if step.t_s > t_s:
-                break
-            current = step.assignments
-        return current
-
-    @property
-    def final(self) -> dict[str, Assignment]:
-        """The last assignments the policy returned."""
-        return self.steps[-1].assignments
-
-
-def simulate(
-    policy: HogbatchPolicy,
-    workers: Mapping[str, SimWorker],
-    seconds: float,
-    report_every_s: float = 1.0,
-) -> SimResult:
-    """Run ``policy`` against virtual ``workers`` for ``seconds`` of virtual time.
-
-    Asynchronous assignments: each worker runs back-to-back batches of its current batch size
-    (one model update per batch), picking up a new batch size when its next batch starts; a
-    worker the policy dropped stays idle until the policy lists it again. Synchronous
-    assignments: all live workers run one batch per step, the step lasts as long as the
-    slowest, and each worker counts one update per step. Every ``report_every_s`` the live
-    workers report the samples/s they completed in the interval (``loss`` nan) and the policy
-    is updated with the virtual time as ``now_s``. Nothing sleeps; it is arithmetic.
-    """
-    if not _finite(seconds) or seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {seconds!r}")
-    if not _finite(report_every_s) or report_every_s <= 0:
-        raise ValueError(f"report_every_s must be > 0, got {report_every_s!r}")
-    if not workers:
-        raise ValueError("simulate needs at least one worker")
-    kinds = {k: w.kind for k, w in workers.items()}
-    assign = policy.initial(list(kinds.items()))
-    steps = [SimStep(0.0, {}, {}, assign)]
-    total_updates = dict.fromkeys(workers, 0)  # cumulative, as workers report them
-    win_updates = dict.fromkeys(workers, 0)  # counts in the current report interval
-    win_samples = dict.fromkeys(workers, 0)
-    win_busy = dict.fromkeys(workers, 0.0)  # busy seconds in the current report interval
-    current = {k: a.batch_size for k, a in assign.items()}  # batch size each worker last ran
-
-    def complete(k: str, batch: int, duration: float) -> None:
-        total_updates[k] += 1
-        win_updates[k] += 1
-        win_samples[k] += batch
-        win_busy[k] += duration
-
-    def report(t: float) -> dict[str, Assignment]:
-        reports = [
-            WorkerReport(k, kinds[k], win_samples[k] / report_every_s, total_updates[k], math.nan,
-                         min(1.0, win_busy[k] / report_every_s), current[k], t)
-            for k, w in workers.items() if w.alive(t)
-        ]
-        out = policy.update(reports, t)
-        steps.append(SimStep(t, dict(win_updates), dict(win_samples), out))
-        for k in workers:
-            win_updates[k], win_samples[k], win_busy[k] = 0, 0, 0.0
-        return out
-
-    next_report = report_every_s
-    if any(a.sync for a in assign.values()):
-        t = 0.0
-        while t < seconds:
-            live = [k for k in assign if workers[k].alive(t)]
-            if not live:
-                break
-            current.update({k: assign[k].batch_size for k in live})
-            times = {k: current[k] / workers[k].speed(current[k], t) for k in live}
-            t += max(times.values())  # the barrier waits for the slowest
-            while next_report <= min(t, seconds):
-                assign = report(next_report)
-                next_report += report_every_s
-            if t > seconds:
-                break
-            for k in live:
-                if workers[k].alive(t):
-                    complete(k, current[k], times[k])
-    else:
-        queue: list[tuple[float, str, int, float]] = []  # (finish time, worker, batch, duration)
-        idle = set(workers)
-
-        def start_idle(t: float) -> None:
-            for k in sorted(idle):
-                if k in assign and workers[k].alive(t):
-                    b = current[k] = assign[k].batch_size
-                    d = b / workers[k].speed(b, t)
-                    heapq.heappush(queue, (t + d, k, b, d))
-                    idle.discard(k)
-
-        start_idle(0.0)
-        while queue:
-            t, k, b, d = heapq.heappop(queue)
-            while next_report <= min(t, seconds):
-                assign = report(next_report)
-                start_idle(next_report)
-                next_report += report_every_s
-            if t > seconds:
-                break
-            idle.add(k)
-            if workers[k].alive(t):  # else it left with this batch in flight: the batch is lost
-                complete(k, b, d)
-            start_idle(t)
-    while next_report <= seconds:
-        assign = report(next_report)
-        next_report += report_every_s
-    return SimResult(kinds, tuple(steps))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -557,20 +364,3 @@ def _check_batch(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
-
-
-def update_shares(assignments: Mapping[str, Assignment], speeds: Mapping[str, float], kinds: Mapping[str, str]) -> dict[str, float]:
-    """Forecast fraction of model updates per kind if each worker runs ``speeds[id]`` samples/s
-    at its assigned batch size (update rate = speed / batch)."""
-    rates = {k: speeds[k] / a.batch_size for k, a in assignments.items()}
-    total = sum(rates.values())
-    out: dict[str, float] = dict.fromkeys(sorted(set(kinds.values())), 0.0)
-    for k, r in rates.items():
-        out[kinds[k]] += r / total if total else 0.0
-    return out
-
-
-__all__ = [
-    "WORKER_KINDS", "WorkerReport", "Assignment", "HogbatchPolicy", "SyncSGD", "StaticHogbatch",
-    "AdaptiveHogbatch", "POLICIES", "make_policy", "SimWorker", "SimStep", "SimResult", "simulate", "update_shares",
-]

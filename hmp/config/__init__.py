@@ -7,12 +7,11 @@ judge (types, ranges, roles, addresses) and names the file, the key and what was
 them all. The README's reference table comes from :mod:`hmp.config.reference`.
 """
 
-from hmp.config.schema import (CONSISTENCY, ENV_OVERRIDES, ROLES, SECTIONS, WORKER_ROLES, BatchPolicyKind, Config,
-                               Consistency, DataConfig, JobConfig, LimitsConfig, ModelConfig, NodeConfig,
-                               OptimizerConfig, PlacementConfig, PSConfig, Role, SweepConfig, TrainConfig,
-                               env_overrides, load, loads, validate)
+from hmp.config.schema import (ENV_OVERRIDES, SECTIONS, WORKER_ROLES, BatchPolicyKind, Config, Consistency, DataConfig,
+                               JobConfig, LimitsConfig, ModelConfig, NodeConfig, OptimizerConfig, PlacementConfig,
+                               PSConfig, Role, SweepConfig, TrainConfig, env_overrides, load, loads, validate)
 
-__all__ = ["CONSISTENCY", "ENV_OVERRIDES", "ROLES", "SECTIONS", "WORKER_ROLES", "BatchPolicyKind", "Config",
+__all__ = ["ENV_OVERRIDES", "SECTIONS", "WORKER_ROLES", "BatchPolicyKind", "Config",
            "Consistency", "DataConfig", "JobConfig", "LimitsConfig", "ModelConfig", "NodeConfig", "OptimizerConfig",
            "PlacementConfig", "PSConfig", "Role", "SweepConfig", "TrainConfig", "env_overrides", "load", "loads",
            "validate"]

@@ -3,12 +3,19 @@
 The one place config is read. Every error names the file, the key and what was expected
 (:class:`~hmp.errors.ConfigError`). Environment overrides are read in :func:`env_overrides` only
 and listed in the README's config reference.
+
+Types and ranges are checked by hand, not by pydantic (evaluated for issue 10): the checks here are
+a few dozen lines, pydantic would move the ranges into ``Field`` constraints but need a table that
+turns its error types and locations back into our file/key/expected wording, the cross-field checks
+(roles, addresses, policy vs consistency) would stay as they are, and importing pydantic and building
+the models costs every daemon 0.1-0.5 s at start against ~1 ms for loading a whole file here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
 import tomllib
 import typing
@@ -45,9 +52,7 @@ class BatchPolicyKind(enum.StrEnum):
     ADAPTIVE = "adaptive"
 
 
-ROLES = tuple(Role)
 WORKER_ROLES = (Role.CPU_WORKER, Role.GPU_WORKER)
-CONSISTENCY = tuple(Consistency)
 #: hmp.placement.registry.PLANNERS' names (not imported here: the registry imports torch)
 PLANNER_NAMES = ("bruteforce", "greedy", "random", "ga", "rl")
 
@@ -63,7 +68,7 @@ class NodeConfig:
     """One daemon of the topology."""
 
     id: str = _field("", "unique node id, e.g. 'ps0'")
-    role: str = _field("", f"one of {', '.join(ROLES)}")
+    role: str = _field("", f"one of {', '.join(Role)}")
     host: str = _field("127.0.0.1", "host the launcher starts this daemon on")
     bind: str = _field("tcp://127.0.0.1:0", "ZeroMQ address to bind (port 0: the OS picks one)")
     advertise: str = _field("", "address peers dial; empty: the bound address")
@@ -106,7 +111,7 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    consistency: str = _field("async", f"one of {', '.join(CONSISTENCY)}")
+    consistency: str = _field("async", f"one of {', '.join(Consistency)}")
     staleness: int = _field(3, "ssp: how many updates a worker may run ahead of the slowest")
     batch_size: int = _field(32, "default batch size per worker")
     epochs: int = _field(20, "passes over each worker's data shard (upper bound)")
@@ -115,7 +120,7 @@ class TrainConfig:
     max_seconds: float = _field(600.0, "stop the job after this long (seconds)")
     eval_every_s: float = _field(1.0, "how often worker 0 measures test accuracy (seconds)")
     report_interval_s: float = _field(0.5, "how often workers report to the scheduler (seconds)")
-    policy: str = _field("static", "batch sizing: static | sync | hogbatch | adaptive")
+    policy: str = _field("static", f"batch sizing: {' | '.join(BatchPolicyKind)}")
     policy_args: dict = _field({}, "policy knobs (see docs/hogbatch.md)")
     work_unit_batches: int = _field(4, "hogbatch/adaptive: batches per first-come-first-served work unit")
 
@@ -139,6 +144,11 @@ class LimitsConfig:
     max_message_bytes: int = _field(1 << 30, "tensor bytes per message")
     max_rank: int = _field(8, "tensor rank")
     request_timeout_s: float = _field(60.0, "a request without reply fails after this (seconds)")
+    queue_bytes: int = _field(1 << 30, "received memory a socket may queue per peer: its receive high-water mark "
+                                       "is queue_bytes // frame_bytes messages (at least 16); a peer sending into "
+                                       "a full queue waits")
+    max_inflight_requests: int = _field(1024, "requests a daemon serves at once (handlers waiting, replies not yet "
+                                              "sent); at the cap it stops reading until one finishes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +221,7 @@ class Config:
 
     @property
     def scheduler(self) -> NodeConfig:
-        return self.by_role("scheduler")[0]
+        return self.by_role(Role.SCHEDULER)[0]
 
     @property
     def workers(self) -> list[NodeConfig]:
@@ -219,7 +229,7 @@ class Config:
 
     @property
     def shards(self) -> list[NodeConfig]:
-        return self.by_role("ps")
+        return self.by_role(Role.PS)
 
     @property
     def report_dir(self) -> Path:
@@ -253,10 +263,15 @@ def _convert(path: str, key: str, value: Any, typ: Any) -> Any:
     return value
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # evaluates the annotations: slow, so once per class
+
+
 def _build(cls: type, table: Any, path: str, prefix: str) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(path, prefix, "expected a table")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - set(fields))
     if unknown:
@@ -312,8 +327,8 @@ def validate(cfg: Config) -> None:
         k = f"nodes[{i}]"
         if not n.id:
             raise ConfigError(p, f"{k}.id", "a non-empty node id")
-        if n.role not in ROLES:
-            raise ConfigError(p, f"{k}.role", f"one of {[str(r) for r in ROLES]}, got {n.role!r}")
+        if n.role not in tuple(Role):
+            raise ConfigError(p, f"{k}.role", f"one of {[str(r) for r in Role]}, got {n.role!r}")
         if n.id in seen_ids:
             raise ConfigError(p, f"{k}.id", f"a unique id; {n.id!r} is also nodes[{seen_ids[n.id]}]")
         seen_ids[n.id] = i
@@ -331,23 +346,21 @@ def validate(cfg: Config) -> None:
             raise ConfigError(p, f"{k}.batch_size", "an integer >= 0")
         if n.device and not (n.device == "cpu" or n.device.startswith("cuda")):
             raise ConfigError(p, f"{k}.device", f"'cpu' or 'cuda[:N]', got {n.device!r}")
-    for role in ROLES:
-        count = len(cfg.by_role(role))
-        if role == "scheduler" and count != 1:
-            raise ConfigError(p, "nodes", f"exactly one node with role 'scheduler', found {count}")
-        if role == "ps" and count < 1:
-            raise ConfigError(p, "nodes", "at least one node with role 'ps'")
+    if (count := len(cfg.by_role(Role.SCHEDULER))) != 1:
+        raise ConfigError(p, "nodes", f"exactly one node with role 'scheduler', found {count}")
+    if not cfg.shards:
+        raise ConfigError(p, "nodes", "at least one node with role 'ps'")
     if not cfg.workers:
         raise ConfigError(p, "nodes", "at least one node with role 'cpu_worker' or 'gpu_worker'")
     sched = cfg.scheduler
     if sched.bind.endswith(":0") and not sched.advertise:
         raise ConfigError(p, f"nodes[{seen_ids[sched.id]}].bind", "a fixed address for the scheduler (the rendezvous point)")
     t = cfg.train
-    if t.consistency not in CONSISTENCY:
-        raise ConfigError(p, "train.consistency", f"one of {[str(c) for c in CONSISTENCY]}, got {t.consistency!r}")
+    if t.consistency not in tuple(Consistency):
+        raise ConfigError(p, "train.consistency", f"one of {[str(c) for c in Consistency]}, got {t.consistency!r}")
     if t.policy not in tuple(BatchPolicyKind):
         raise ConfigError(p, "train.policy", f"one of {[str(k) for k in BatchPolicyKind]}, got {t.policy!r}")
-    if t.policy == "sync" and t.consistency != "sync":
+    if t.policy == BatchPolicyKind.SYNC and t.consistency != Consistency.SYNC:
         raise ConfigError(p, "train.consistency", "\"sync\" when train.policy is \"sync\" (bulk-synchronous SGD)")
     if t.work_unit_batches < 1:
         raise ConfigError(p, "train.work_unit_batches", "an integer >= 1")
@@ -372,7 +385,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(p, "sweep.members", "an array of tables, one per member")
         if cfg.sweep.optimizer not in ("sgd", "adam", "adamw"):
             raise ConfigError(p, "sweep.optimizer", f"one of ['sgd', 'adam', 'adamw'], got {cfg.sweep.optimizer!r}")
-        if t.consistency != "async":
+        if t.consistency != Consistency.ASYNC:
             raise ConfigError(p, "train.consistency", "\"async\" for a sweep job (workers push parameter deltas)")
     if cfg.ps.chunk_bytes < 64:
         raise ConfigError(p, "ps.chunk_bytes", "an integer >= 64")
@@ -382,7 +395,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "job.log_format", "one of ['auto', 'console', 'json']")
     _validate_ranges(cfg)
     _validate_placement(cfg)
-    if t.policy == "static" and t.policy_args:
+    if t.policy == BatchPolicyKind.STATIC and t.policy_args:
         raise ConfigError(p, "train.policy_args", "no knobs for train.policy = \"static\" (it keeps each "
                                                   f"worker's configured batch), got {t.policy_args!r}")
 
@@ -392,6 +405,8 @@ def _validate_ranges(cfg: Config) -> None:
     p = cfg.path
     positive = {"limits.max_frames": cfg.limits.max_frames, "limits.max_message_bytes": cfg.limits.max_message_bytes,
                 "limits.max_rank": cfg.limits.max_rank, "limits.request_timeout_s": cfg.limits.request_timeout_s,
+                "limits.queue_bytes": cfg.limits.queue_bytes,
+                "limits.max_inflight_requests": cfg.limits.max_inflight_requests,
                 "job.heartbeat_interval_s": cfg.job.heartbeat_interval_s, "job.join_timeout_s": cfg.job.join_timeout_s,
                 "train.max_seconds": cfg.train.max_seconds}
     for key, value in positive.items():
@@ -426,7 +441,7 @@ def _validate_placement(cfg: Config) -> None:
         return
     if cfg.sweep.members:
         raise ConfigError(p, "placement.enabled", "false for a [sweep] job")
-    if cfg.train.consistency != "async":
+    if cfg.train.consistency != Consistency.ASYNC:
         raise ConfigError(p, "train.consistency", "\"async\" for a [placement] job (stages push their own chunks "
                                                   "at their own pace)")
     if not pl.resources:

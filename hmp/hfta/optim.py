@@ -182,12 +182,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _update(self) -> None:
         raise NotImplementedError
 
-    def member_hparams(self, b: int, group: int = 0) -> dict:
-        """Member b's hyper-parameters in ``param_groups[group]`` as plain torch-style values."""
-        g = self.param_groups[group]
-        return {k: (g[k][b] if k in self._per_member_keys else g[k])
-                for k in g if k != "params"}
-
 
 class FusedSGD(_FusedOptimizer):
     """``torch.optim.SGD`` for B members: ``lr``, ``momentum``, ``dampening`` and

@@ -1,9 +1,25 @@
 """What every daemon shares: its server, its link to the scheduler, heartbeats, graceful stop.
 
-A node runs in one ``asyncio.TaskGroup``: the role's ``main()`` and, for every node but the
-scheduler, the heartbeat loop. SIGTERM/SIGINT set ``stopping``; ``main()`` is expected to notice,
-finish or refuse in-flight work, and return. The server then closes (in-flight handlers get a
-grace period) and the process exits 0, or 1 if the node failed.
+A node runs in one ``asyncio.TaskGroup``: the role's ``main()`` and its background tasks.
+
+* ``self.spawn(coro, name="reports")`` (call it from ``main()`` or anything it runs) starts a
+  background task in the node's group and returns it. If the task raises, the node fails at
+  once: the exception is logged with its traceback (``task_failed``), ``failed`` is set, and
+  ``main()`` and every other background task are cancelled (their ``finally`` blocks run), then
+  the sockets close and the process exits 1. A task that returns or is cancelled ends quietly;
+  whatever still runs when ``main()`` returns is cancelled. ``start_heartbeat()`` spawns the
+  heartbeat loop; ``leave()`` stops it before telling the scheduler.
+* ``fail(why)`` (from any task) marks the node failed and cancels ``main()`` unless ``main()``
+  itself is the caller; a heartbeat loop that loses the scheduler fails the node this way.
+* ``await self.in_thread(fn, *args)`` runs blocking work (forward/backward, evaluation, model
+  building, anything that may outlast a heartbeat interval) on the node's compute thread, one
+  call at a time, so the event loop keeps answering heartbeats and requests. A caller cancelled
+  meanwhile waits for the call to end first: the loop never writes what the thread is reading.
+
+SIGTERM/SIGINT set ``stopping``; ``main()`` is expected to notice, finish or refuse in-flight work,
+and return. The server then closes (in-flight handlers get a grace period) and the process exits
+0, or 1 if the node failed. Nothing here sets torch's thread count: ``hmp.nodes.main`` does, once
+per process, before any thread starts.
 """
 
 from __future__ import annotations
@@ -12,7 +28,9 @@ import asyncio
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import structlog
 
@@ -21,6 +39,8 @@ from hmp.errors import HmpError, RemoteError, RequestTimeout
 from hmp.messages import Ack, Heartbeat, Join, Kind, Leave, Message, Shutdown, Status, Welcome
 from hmp.transport.codec import Limits
 from hmp.transport.endpoint import Client, Handler, Server
+
+T = TypeVar("T")
 
 
 class Node:
@@ -41,6 +61,11 @@ class Node:
         self.welcome: Welcome | None = None
         self.started = time.monotonic()
         self.step = 0
+        self._task_group: asyncio.TaskGroup | None = None  # set while main() runs: where spawn() puts tasks
+        self._main_task: asyncio.Task | None = None
+        self._background_tasks: set[asyncio.Task] = set()
+        self._heartbeat_task: asyncio.Task | None = None
+        self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{node_id}-compute")
 
     # ---------------------------------------------------------------- overridables
     def handlers(self) -> dict[Kind, Handler]:
@@ -123,7 +148,56 @@ class Node:
             except TimeoutError:
                 pass
 
+    def start_heartbeat(self) -> asyncio.Task:
+        """Heartbeat the scheduler from a background task (see :meth:`spawn`) until :meth:`leave`."""
+        self._heartbeat_task = self.spawn(self.heartbeat_loop(), name="heartbeat")
+        return self._heartbeat_task
+
+    async def stop_heartbeat(self) -> None:
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+    # ---------------------------------------------------------------- tasks and threads
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task:
+        """Run ``coro`` as a background task of this node; if it raises, the node fails at once (module
+        docstring). Only while ``main()`` runs: a node that is not running refuses (RuntimeError)."""
+        if self._task_group is None:
+            coro.close()
+            raise RuntimeError(f"{self.id}: spawn({name!r}) outside main(): the node is not running")
+        task = self._task_group.create_task(self._supervise(coro, name), name=f"{self.id}:{name}")
+        self._background_tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._background_tasks.discard(t)
+            coro.close()  # one cancelled before it started was never awaited: no warning for that
+
+        task.add_done_callback(done)
+        return task
+
+    async def _supervise(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        try:
+            await coro
+        except Exception as exc:
+            # Logged now, not when the group unwinds: main()'s clean-up may take a while.
+            self.log.error("task_failed", task=name, error=f"{exc.__class__.__name__}: {exc}", exc_info=exc)
+            self.failed = self.failed or f"{name}: {exc.__class__.__name__}: {exc}"
+            self.stopping.set()
+            raise  # the group cancels main() and the other tasks
+
+    async def in_thread(self, fn: Callable[..., T], /, *args: Any) -> T:
+        """``fn(*args)`` on this node's compute thread (module docstring); returns what it returns."""
+        fut = asyncio.get_running_loop().run_in_executor(self._compute_pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait({fut})  # the call runs to its end before the caller's clean-up touches its data
+            raise
+
     async def leave(self, reason: str) -> None:
+        """Stop heartbeating and tell the scheduler this node is leaving."""
+        await self.stop_heartbeat()
         if self.scheduler is None:
             return
         try:
@@ -132,9 +206,14 @@ class Node:
             self.log.info("leave_unanswered", error=str(exc))
 
     def fail(self, why: str) -> None:
+        """The node has failed: log and record why, stop, and cancel ``main()`` now unless it is the caller
+        (its ``finally`` blocks still run)."""
         self.log.error("node_failed", reason=why)
         self.failed = why
         self.stopping.set()
+        main = self._main_task
+        if main is not None and main is not asyncio.current_task() and not main.done():
+            main.cancel()
 
     async def run(self, pending_signals: list[int] | None = None) -> int:
         """Serve until stopped; returns the process exit code. ``pending_signals`` are signals that arrived before
@@ -149,6 +228,19 @@ class Node:
         await self.server.start()
         self.log.info("serving", address=self.server.address, pid=os.getpid())
         try:
+            async with asyncio.TaskGroup() as group:
+                self._task_group = group
+                self._main_task = group.create_task(self._run_main(), name=f"{self.id}:main")
+        except* Exception:
+            pass  # background tasks' exceptions: logged, and the node marked failed, when they were raised
+        finally:
+            self._task_group = self._main_task = None
+            await self.shutdown()
+        self.log.info("stopped", failed=self.failed)
+        return 1 if self.failed else 0
+
+    async def _run_main(self) -> None:
+        try:
             await self.main()
         except HmpError as exc:
             self.fail(f"{exc.__class__.__name__}: {exc}")
@@ -156,9 +248,9 @@ class Node:
             self.log.exception("node_crashed")
             self.failed = f"{exc.__class__.__name__}: {exc}"
         finally:
-            await self.shutdown()
-        self.log.info("stopped", failed=self.failed)
-        return 1 if self.failed else 0
+            self._task_group = None  # no new background tasks; the ones still running end with main()
+            for task in list(self._background_tasks):
+                task.cancel()
 
     def _on_signal(self, sig: int) -> None:
         self.log.info("signal", signal=signal.Signals(sig).name)
@@ -169,3 +261,5 @@ class Node:
             await self.server.close(grace_s=2.0)
         if self.scheduler is not None:
             await self.scheduler.close()
+        # A call still running (main() was cancelled mid-step) finishes on its own; the process exits after it.
+        self._compute_pool.shutdown(wait=False, cancel_futures=True)

@@ -22,6 +22,7 @@ import uvloop  # noqa: E402  (after the handlers above, on purpose)
 
 from hmp import log as hmp_log  # noqa: E402
 from hmp import job  # noqa: E402
+from hmp.config import Role  # noqa: E402
 from hmp.errors import ConfigError, HmpError  # noqa: E402
 
 
@@ -31,7 +32,7 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--id", required=True, help="this node's id in the config's [[nodes]]")
     ap.add_argument("--log-format", choices=["auto", "console", "json"], default=None,
                     help="override [job] log_format")
-    if role == "ps":
+    if role == Role.PS:
         ap.add_argument("--resume", action="store_true", help="continue from this shard's last checkpoint")
     return ap.parse_args(argv)
 
@@ -54,13 +55,16 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         tune_malloc()
     import torch
 
-    torch.set_num_threads(node_cfg.threads)  # several daemons share the cores
+    # Once per process, here, before any thread starts (several daemons share the cores): torch's intra-op thread
+    # count is process-wide, every thread started later (the node's compute thread, Hogwild threads) uses it, and
+    # nothing else in hmp changes it.
+    torch.set_num_threads(node_cfg.threads)
 
     async def go() -> int:
-        if role == "scheduler":
+        if role == Role.SCHEDULER:
             from hmp.nodes.scheduler import SchedulerNode as cls
             node = cls(cfg, args.id)
-        elif role == "ps":
+        elif role == Role.PS:
             from hmp.nodes.ps_shard import PSShardNode
             node = PSShardNode(cfg, args.id, resume=args.resume)
         elif cfg.placement.enabled:  # a pipeline job: the worker runs the stage it is assigned
@@ -79,23 +83,23 @@ def _run(role: str, argv: list[str] | None = None) -> int:
 
 
 def scheduler_main(argv: list[str] | None = None) -> int:
-    return _run("scheduler", argv)
+    return _run(Role.SCHEDULER, argv)
 
 
 def ps_main(argv: list[str] | None = None) -> int:
-    return _run("ps", argv)
+    return _run(Role.PS, argv)
 
 
 def cpu_worker_main(argv: list[str] | None = None) -> int:
-    return _run("cpu_worker", argv)
+    return _run(Role.CPU_WORKER, argv)
 
 
 def gpu_worker_main(argv: list[str] | None = None) -> int:
-    return _run("gpu_worker", argv)
+    return _run(Role.GPU_WORKER, argv)
 
 
-ROLE_MAINS = {"scheduler": scheduler_main, "ps": ps_main, "cpu_worker": cpu_worker_main,
-              "gpu_worker": gpu_worker_main}
+ROLE_MAINS = {Role.SCHEDULER: scheduler_main, Role.PS: ps_main, Role.CPU_WORKER: cpu_worker_main,
+              Role.GPU_WORKER: gpu_worker_main}
 
 if __name__ == "__main__":  # python -m hmp.nodes.main ROLE --config ... --id ...
     sys.exit(ROLE_MAINS[sys.argv[1]](sys.argv[2:]))

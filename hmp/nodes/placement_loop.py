@@ -10,15 +10,23 @@ keeps the running assignment unless the new one is cheaper by ``min_gain``), sta
 with the workers now live and tells them; they abort the step in flight and continue from the
 step the loop names. Every plan, with its predicted and measured per-stage throughput, goes into
 the run report's ``pipeline`` section.
+
+Its interface to the scheduler is explicit: it reads membership (states, addresses) and the run's
+clock from the scheduler's core (:class:`~hmp.scheduler.core.SchedulerCore`), hears of workers
+coming and going through :meth:`PlacementLoop.on_membership` (the core's ``roster`` events) and of
+their progress through :meth:`PlacementLoop.on_report`, fails the job with ``core.fail``, and sends
+stage assignments with the ``send`` coroutine the shell gives it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from hmp.placement.spec import spec_table
+from hmp.config import Config
+from hmp.data import Dataset
 from hmp.errors import HmpError
 from hmp.messages import StageAssign
 from hmp.models import build_model
@@ -27,17 +35,18 @@ from hmp.pipeline.schedule import total_steps
 from hmp.placement.problem import PlacementProblem, Plan
 from hmp.placement.profiler import reference_type
 from hmp.placement.registry import make_planner, problem_from_config, replan
+from hmp.placement.spec import spec_table
+from hmp.scheduler.core import SchedulerCore
+from hmp.scheduler.membership import NOT_JOINED, UP, MemberState
 
-if TYPE_CHECKING:
-    from hmp.nodes.scheduler import SchedulerNode
-
-LIVE = ("joined",)
+#: Sends one stage assignment to a worker (the scheduler shell's connection to it).
+Send = Callable[[str, StageAssign], Awaitable[Any]]
 
 
 class PlacementLoop:
-    def __init__(self, node: SchedulerNode) -> None:
-        self.node, self.cfg = node, node.cfg
-        self.pcfg = node.cfg.placement
+    def __init__(self, cfg: Config, dataset: Dataset, core: SchedulerCore, send: Send, log: Any) -> None:
+        self.cfg, self.dataset, self.core, self.send = cfg, dataset, core, send
+        self.pcfg = cfg.placement
         self.changed = asyncio.Event()
         self.problem: PlacementProblem | None = None
         self.plan: Plan | None = None
@@ -46,20 +55,21 @@ class PlacementLoop:
         self.history: list[dict[str, Any]] = []
         self.latest: dict[str, dict[str, float]] = {}  # worker -> its last report
         self.max_step = 0
-        n_train = len(node.dataset.y_train)
+        n_train = len(dataset.y_train)
         self.steps = total_steps(self.cfg.train.epochs, n_train, self.cfg.train.batch_size)
         self.first_join: float | None = None
-        self.log = node.log.bind(loop="placement")
+        self.log = log.bind(loop="placement")
 
     def resource_of(self, worker_id: str) -> str:
         n = self.cfg.node(worker_id)
         return n.resource or n.role
 
     # ---------------------------------------------------------------- scheduler hooks
-    def on_membership(self, worker_id: str, state: str) -> None:
-        if state == "joined" and self.first_join is None:
+    def on_membership(self, worker_id: str, state: MemberState) -> None:
+        """A worker became available (LIVE) or stopped being (LOST, LEFT): re-plan."""
+        if state in UP and self.first_join is None:
             self.first_join = time.monotonic()
-        self.log.info("membership_changed", worker=worker_id, state=state)
+        self.log.info("membership_changed", worker=worker_id, state=str(state))
         self.changed.set()
 
     def on_report(self, worker_id: str, metrics: dict[str, float]) -> None:
@@ -72,32 +82,34 @@ class PlacementLoop:
         return any(m.get("pipeline_done") and m.get("plan") == self.plan_id for m in self.latest.values())
 
     # ---------------------------------------------------------------- the loop
+    def elapsed(self) -> float:
+        return self.core.elapsed(time.monotonic())
+
     async def run(self) -> None:
-        node = self.node
-        x = node.dataset.x_train[: self.cfg.train.batch_size]
+        x = self.dataset.x_train[: self.cfg.train.batch_size]
         model = build_model(self.cfg.model.name, **self.cfg.model.args)
         # Profile once the workers have joined: while they start (importing torch, loading data) the
         # shared cores are busy and layer times come out inflated and noisy.
         await self.wait_for_workers()
-        samples = float(self.cfg.train.epochs * len(node.dataset.y_train))
+        samples = float(self.cfg.train.epochs * len(self.dataset.y_train))
         try:
             self.problem = await asyncio.to_thread(
                 problem_from_config, spec_table(self.cfg, samples), model, x, path=self.cfg.path,
                 counts=self.counts(self.live_workers()), name=self.cfg.model.name)
         except (HmpError, ValueError) as exc:
             self.log.error("placement_failed", error=str(exc))
-            node.job_failed = f"placement: {exc}"
+            self.core.fail(f"placement: {exc}")
             return
         ref = reference_type(self.problem)
         self.log.info("profiled", reference=ref, layers={lay.name: round(lay.time_s[ref] * 1e3, 4) if ref else None
                                                          for lay in self.problem.layers})
-        while not node.job_over.is_set():
+        while not self.core.over:
             self.changed.clear()
             try:
                 await self.replan()
             except (HmpError, ValueError) as exc:
                 self.log.error("placement_failed", error=str(exc))
-                node.job_failed = f"placement: {exc}"
+                self.core.fail(f"placement: {exc}")
                 return
             await self.changed.wait()
             await asyncio.sleep(0.2)  # several changes at once (a worker left, another joined): one re-plan
@@ -105,18 +117,18 @@ class PlacementLoop:
     async def wait_for_workers(self) -> None:
         workers = [w.id for w in self.cfg.workers]
         while True:
-            states = [self.node.members[w].state for w in workers]
-            if all(s != "expected" for s in states):
+            missing = [w for w in workers if self.core.membership[w].state in NOT_JOINED]
+            if not missing:
                 return
             if self.first_join is not None and time.monotonic() - self.first_join > self.pcfg.join_wait_s:
-                self.log.info("planning_without", missing=[w for w, s in zip(workers, states) if s == "expected"])
+                self.log.info("planning_without", missing=missing)
                 return
             await asyncio.sleep(0.05)
 
     def live_workers(self) -> dict[str, list[str]]:
         live: dict[str, list[str]] = {}
         for w in self.cfg.workers:
-            if self.node.members[w.id].state in LIVE:
+            if self.core.membership[w.id].state in UP:
                 live.setdefault(self.resource_of(w.id), []).append(w.id)
         return live
 
@@ -142,7 +154,7 @@ class PlacementLoop:
                                 use_spare=self.pcfg.use_spare_workers, previous=previous)
         if self.history:
             self.history[-1]["measured"] = self.measured()
-            self.history[-1]["ended_s"] = round(self.node.elapsed(), 3)
+            self.history[-1]["ended_s"] = round(self.elapsed(), 3)
         self.plan, self.stages, self.plan_id = plan, stages, self.plan_id + 1
         start_step = self.max_step
         self.history.append(self.describe(problem, plan, stages, start_step, counts))
@@ -152,7 +164,7 @@ class PlacementLoop:
         await self.tell_workers(start_step)
 
     async def tell_workers(self, start_step: int) -> None:
-        members, pcfg = self.node.members, self.pcfg
+        members, pcfg = self.core.membership, self.pcfg
         addresses = [tuple(members[w].address for w in s.workers) for s in self.stages]
         msgs: dict[str, StageAssign] = {}
         for k, s in enumerate(self.stages):
@@ -166,10 +178,7 @@ class PlacementLoop:
             for w in ws:
                 msgs.setdefault(w, StageAssign(plan=self.plan_id, stage=-1, stages=len(self.stages),
                                                start_step=start_step, steps=self.steps))
-        async def tell(w: str, m: StageAssign) -> None:
-            await (await self.node.worker_client(w)).request(m, timeout_s=10)
-
-        results = await asyncio.gather(*(tell(w, m) for w, m in msgs.items()), return_exceptions=True)
+        results = await asyncio.gather(*(self.send(w, m) for w, m in msgs.items()), return_exceptions=True)
         for w, r in zip(msgs, results):
             if isinstance(r, Exception):
                 self.log.warning("stage_assign_failed", worker=w, error=str(r))  # it left: the next re-plan sees it
@@ -183,7 +192,7 @@ class PlacementLoop:
 
     def describe(self, problem: PlacementProblem, plan: Plan, stages: list[StageWorkers], start_step: int,
                  counts: dict[str, int]) -> dict[str, Any]:
-        return {"plan": self.plan_id, "planner": plan.planner or self.pcfg.planner, "started_s": round(self.node.elapsed(), 3),
+        return {"plan": self.plan_id, "planner": plan.planner or self.pcfg.planner, "started_s": round(self.elapsed(), 3),
                 "start_step": start_step, "workers_available": counts,
                 "layers": {lay.name: problem.resources[r].name for lay, r in zip(problem.layers, plan.assignment)},
                 "cost": plan.cost if plan.feasible else None, "feasible": plan.feasible, "reason": plan.reason,
@@ -220,7 +229,7 @@ class PlacementLoop:
     def report(self) -> dict[str, Any]:
         if self.history and "measured" not in self.history[-1]:
             self.history[-1]["measured"] = self.measured()
-            self.history[-1]["ended_s"] = round(self.node.elapsed(), 3)
+            self.history[-1]["ended_s"] = round(self.elapsed(), 3)
         problem = self.problem
         ref = reference_type(problem) if problem else None
         return {"planner": self.pcfg.planner, "micro_batches": self.pcfg.micro_batches,

@@ -1,311 +1,240 @@
-"""The scheduler daemon: membership, heartbeats, batch-size assignments, job end and the report.
+"""The scheduler daemon: the asyncio shell around :class:`hmp.scheduler.core.SchedulerCore`.
 
-Request flow: nodes ``join`` (workers are held until every PS shard has joined, so their welcome
-can list the shards), then ``heartbeat`` every interval; workers ``report`` progress and get an
-``assign`` back. A node silent for 3 heartbeat intervals is declared lost: the job fails, every
-node is told to shut down, and the scheduler exits non-zero. When every worker has finished, the
-scheduler evaluates the final parameters (pulled from the shards), writes the run report and tells
-the shards to stop.
+Each handler decodes a request, calls the core's method of the same name with the clock, and
+turns the decision into the reply; the events the call produced are logged, forwarded to the
+placement loop (pipeline jobs) and set the shell's asyncio events (:meth:`_dispatch_events`).
+The monitor, a background task, ticks the core every half heartbeat interval (liveness, join
+deadline); the placement loop (pipeline jobs) is another. When every worker has finished, the
+shell evaluates the final parameters (pulled from the shards), writes the run report and lets
+every node hear ``shutdown`` through its heartbeat. A lost node (see the core's rules) fails the
+job: every node is told to shut down and the scheduler exits non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any
 
-from hmp.client import PSClient
-from hmp.config import WORKER_ROLES, Config
-from hmp.errors import RequestError
-from hmp.messages import Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, Welcome, Work
 from hmp import job
+from hmp.client import PSClient
+from hmp.config import WORKER_ROLES, Config, Role
+from hmp.messages import (Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, StageAssign, Welcome,
+                          Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
-from hmp.report import RunReport, write_report
-from hmp.batching.policy import BatchPolicy, make_batch_policy
+from hmp.report import write_report
+from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, SchedulerCore, ShardsReady,
+                                StopDecided, WorkersDone)
+from hmp.scheduler.membership import CONNECTED, MemberState
 from hmp.transport.endpoint import Client
 
 
-@dataclasses.dataclass
-class Member:
-    id: str
-    role: str
-    address: str = ""
-    pid: int = 0
-    last_seen: float = 0.0
-    state: str = "expected"  # expected | joined | done | left | lost
-
-
 class SchedulerNode(Node):
-    role = "scheduler"
+    role = Role.SCHEDULER
 
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
-        self.members = {n.id: Member(n.id, n.role) for n in cfg.nodes if n.role != "scheduler"}
-        self.shards_ready = asyncio.Event()
-        self.workers_done = asyncio.Event()
-        self.job_over = asyncio.Event()
-        self.job_failed: str | None = None
-        self._join_generation: dict[str, int] = {}  # worker -> joins received (see on_join)
-        self.t0: float | None = None
-        self.stop_reason = ""
-        self.report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
-                                policy=cfg.train.policy)
-        self.policy: BatchPolicy = make_batch_policy(cfg)
-        self.best_accuracy = 0.0
-        self.best_test_loss = float("inf")
-        sharded = job.sharded_model(cfg)
-        self.report.sharding = sharded.report().as_dict()
+        sharding = job.sharded_model(cfg).report().as_dict()
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         self.dataset = job.dataset(cfg)
-        # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
-        self.work_epoch, self.work_cursor = 0, 0
-        self.work_taken: dict[str, int] = {}
-        self.log.info("chunk_placement", **{k: v for k, v in self.report.placement.items() if not isinstance(v, list)})
+        self.core = SchedulerCore(cfg, n_train=len(self.dataset.y_train), sharding=sharding)
+        self.log.info("chunk_placement", **{k: v for k, v in sharding.items() if not isinstance(v, list)})
+        self.shards_ready = asyncio.Event()
+        self.workers_done = asyncio.Event()
+        self.job_failed = asyncio.Event()
         # [placement] jobs: the loop that plans the pipeline and re-plans when workers come and go.
-        self.placement: PlacementLoop | None = PlacementLoop(self) if cfg.placement.enabled else None
+        self.placement: PlacementLoop | None = (PlacementLoop(cfg, self.dataset, self.core, self.tell_worker, self.log)
+                                                if cfg.placement.enabled else None)
         self.worker_clients: dict[str, Client] = {}
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
                 Kind.REPORT: self.on_report, Kind.LEAVE: self.on_leave, Kind.WORK: self.on_work}
 
-    def _member(self, msg: Message) -> Member:
-        m = self.members.get(msg.sender)
-        if m is None:
-            raise RequestError(f"{msg.sender!r} is not a node of this topology ({sorted(self.members)})", "unknown_node")
-        m.last_seen = time.monotonic()
-        return m
+    # ---------------------------------------------------------------- core events
+    def _dispatch_events(self) -> None:
+        """Act on what the core decided: logs, the placement loop, the shell's asyncio events."""
+        for ev in self.core.take_events():
+            if isinstance(ev, MemberChanged):
+                self._log_change(ev)
+                if ev.roster and self.placement is not None:
+                    self.placement.on_membership(ev.change.node, ev.change.new)
+            elif isinstance(ev, ShardsReady):
+                self.shards_ready.set()
+            elif isinstance(ev, WorkersDone):
+                self.workers_done.set()
+            elif isinstance(ev, StopDecided):
+                self.log.info("stopping_workers", reason=ev.reason, elapsed_s=round(ev.elapsed_s, 2))
+            elif isinstance(ev, JobFailed):
+                self.log.error("job_failed", reason=ev.reason)
+                self.job_failed.set()
 
-    def _worker(self, msg: Message) -> Member:
-        """The sending member, which must be a worker: reports and work units are theirs alone."""
-        m = self._member(msg)
-        if m.role not in WORKER_ROLES:
-            raise RequestError(f"{msg.kind.value!r} is for workers; {m.id!r} is a {m.role}", "bad_role")
-        return m
+    def _log_change(self, ev: MemberChanged) -> None:
+        c = ev.change
+        fields = {"node": c.node, "node_role": c.role, "old": c.old.value, "why": c.why}
+        if c.new == MemberState.LIVE and c.old in (MemberState.JOINING, MemberState.EXPECTED, MemberState.LEFT):
+            self.log.info("node_joined", address=self.core.membership[c.node].address, **fields)
+        elif c.new == MemberState.LOST:
+            if c.role in WORKER_ROLES and self.core.tolerate_worker_loss:
+                self.log.warning("worker_lost", **fields)
+            else:
+                self.log.error("node_lost", **fields)
+        elif c.new == MemberState.SUSPECT:
+            self.log.warning("node_suspect", **fields)
+        elif c.new == MemberState.LEFT:
+            self.log.info("node_left", **fields)
+        else:
+            self.log.info("node_state", state=c.new.value, **fields)
 
     # ---------------------------------------------------------------- handlers
     async def on_join(self, msg: Join, peer: bytes) -> Message:
-        m = self._member(msg)
-        if msg.role != m.role:
-            raise RequestError(f"{msg.sender} joined as {msg.role!r}; the config says {m.role!r}", "bad_role")
-        if self.job_over.is_set():
-            return Shutdown(reason=self.stop_reason or "job over")
-        m.address, m.pid, m.state = msg.address, msg.pid, "joined"
-        self.log.info("node_joined", node=m.id, node_role=m.role, address=m.address)
-        if all(self.members[s.id].state == "joined" for s in self.cfg.shards):
-            self.shards_ready.set()
-        info: dict[str, Any] = {"shards": [[s.id, self.members[s.id].address] for s in self.cfg.shards]
-                                if self.shards_ready.is_set() else []}
-        if m.role in WORKER_ROLES:
-            # Held until every shard has joined. The worker re-sends its join every few seconds
-            # meanwhile; only the newest one of a worker is answered, so that held joins do not
-            # all wake at once (each would re-run placement's membership hook).
-            generation = self._join_generation[m.id] = self._join_generation.get(m.id, 0) + 1
+        try:
+            decision = self.core.join(msg.sender, msg.role, msg.address, msg.pid, time.monotonic())
+        finally:
+            self._dispatch_events()
+        if isinstance(decision, Held):
             await asyncio.wait_for(self.shards_ready.wait(), self.cfg.job.join_timeout_s)
-            if self._join_generation[m.id] != generation:
-                raise RequestError(f"{m.id} joined again since this join; the newest join is answered",
-                                   "bad_request")
-            ids = [w.id for w in self.cfg.workers]
-            info = {"shards": [[s.id, self.members[s.id].address] for s in self.cfg.shards],
-                    "worker_index": ids.index(m.id), "num_workers": len(ids),
-                    "batch_size": self.policy.initial(m.id)}
-            if self.t0 is None:
-                self.t0 = time.monotonic()
-            if self.placement is not None:
-                self.placement.on_membership(m.id, "joined")
-        return Welcome(heartbeat_interval_s=self.cfg.job.heartbeat_interval_s, info=info)
+            try:
+                decision = self.core.admit(msg.sender, decision.generation, time.monotonic())
+            finally:
+                self._dispatch_events()
+        if isinstance(decision, Refused):
+            return Shutdown(reason=decision.reason)
+        assert isinstance(decision, Admitted)
+        return Welcome(heartbeat_interval_s=self.cfg.job.heartbeat_interval_s, info=decision.info)
 
     async def on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Message:
-        m = self._member(msg)
-        if m.state == "lost" and self.placement is not None and m.role in WORKER_ROLES and not self.job_over.is_set():
-            # A pipeline worker that was only stalled (a busy machine) is back: plan with it again.
-            m.state = "joined"
-            self.placement.on_membership(m.id, "joined")
-        if self.job_over.is_set():
-            return Shutdown(reason=self.job_failed or self.stop_reason or "job over")
-        return Ack()
+        try:
+            refused = self.core.heartbeat(msg.sender, time.monotonic())
+        finally:
+            self._dispatch_events()
+        return Shutdown(reason=refused.reason) if refused is not None else Ack()
 
     async def on_report(self, msg: Report, peer: bytes) -> Message:
-        m = self._worker(msg)
-        now = self.elapsed()
-        self.report.add_sample(m.id, now, msg.metrics)
-        if self.placement is not None:
-            self.placement.on_report(m.id, msg.metrics)
-            if self.placement.pipeline_done and not self.stop_reason:
-                self.stop_reason = f"epochs done ({self.placement.steps} steps)"
-        acc = msg.metrics.get("test_accuracy")
-        if acc is not None:
-            self.best_accuracy = max(self.best_accuracy, acc)
-        test_loss = msg.metrics.get("test_loss")
-        if test_loss is not None:
-            self.best_test_loss = min(self.best_test_loss, test_loss)
-        if msg.done:
-            m.state = "done"
-            self.report.finish_worker(m.id, msg.metrics)
-            self._check_workers_done()
-            return Assign(batch_size=0, stop=True)
-        if not self.stop_reason:
-            t = self.cfg.train
-            if t.target_accuracy and self.best_accuracy >= t.target_accuracy:
-                self.stop_reason = f"target accuracy {t.target_accuracy} reached ({self.best_accuracy:.4f})"
-            elif t.target_loss and self.best_test_loss <= t.target_loss:
-                self.stop_reason = f"target test loss {t.target_loss} reached ({self.best_test_loss:.4f})"
-            elif now > t.max_seconds:
-                self.stop_reason = f"time limit of {t.max_seconds} s reached"
-            if self.stop_reason:
-                self.log.info("stopping_workers", reason=self.stop_reason, elapsed_s=round(now, 2))
-        batch, share = self.policy.update(m.id, msg.metrics, now)
-        return Assign(batch_size=batch, data_share=share, stop=bool(self.stop_reason or self.job_failed))
+        now = time.monotonic()
+        try:
+            if self.placement is not None:
+                self.core.check_worker(msg.sender, "report", now)  # a shard's report must not reach the loop
+                self.placement.on_report(msg.sender, msg.metrics)
+                if self.placement.pipeline_done:
+                    self.core.request_stop(f"epochs done ({self.placement.steps} steps)", now)
+            a = self.core.report(msg.sender, msg.metrics, msg.done, now)
+        finally:
+            self._dispatch_events()
+        return Assign(batch_size=a.batch_size, data_share=a.data_share, stop=a.stop)
 
     async def on_work(self, msg: Work, peer: bytes) -> Message:
         """Hand out the next ``msg.count`` examples of the current epoch to whoever asks first."""
-        m = self._worker(msg)
-        if msg.count < 1:
-            raise RequestError(f"work count must be >= 1, got {msg.count}", "bad_request")
-        n = len(self.dataset.y_train)
-        if self.work_cursor >= n:
-            self.work_epoch, self.work_cursor = self.work_epoch + 1, 0
-        if self.work_epoch >= self.cfg.train.epochs or self.stop_reason or self.job_failed:
-            return Work(count=0, epoch=self.work_epoch)
-        start = self.work_cursor
-        count = min(msg.count, n - start)
-        self.work_cursor += count
-        self.work_taken[m.id] = self.work_taken.get(m.id, 0) + count
-        return Work(count=count, epoch=self.work_epoch, start=start)
+        try:
+            w = self.core.work(msg.sender, msg.count, time.monotonic())
+        finally:
+            self._dispatch_events()
+        return Work(count=w.count, epoch=w.epoch, start=w.start)
 
     async def on_leave(self, msg: Leave, peer: bytes) -> Message:
-        m = self._member(msg)
-        if m.role in WORKER_ROLES and m.state != "done":
-            self.report.finish_worker(m.id, {})
-        m.state = "left"
-        self.log.info("node_left", node=m.id, reason=msg.reason)
-        if self.placement is not None and m.role in WORKER_ROLES and not self.stop_reason:
-            self.placement.on_membership(m.id, "left")
-        if msg.reason.startswith("failed:") and not self.job_failed and self.placement is None:
-            self.job_failed = f"node {m.id} ({m.role}) {msg.reason}"
-        self.policy.forget(m.id)
-        self._check_workers_done()
+        try:
+            self.core.leave(msg.sender, msg.reason, time.monotonic())
+        finally:
+            self._dispatch_events()
         return Ack()
-
-    def _check_workers_done(self) -> None:
-        # A pipeline job re-plans around lost workers instead of failing, so they count as gone.
-        gone = ("done", "left", "lost") if self.placement is not None else ("done", "left")
-        if all(self.members[w.id].state in gone for w in self.cfg.workers):
-            self.workers_done.set()
-
-    def elapsed(self) -> float:
-        return 0.0 if self.t0 is None else time.monotonic() - self.t0
 
     def status(self) -> dict[str, Any]:
         st = super().status()
-        st.update(elapsed_s=self.elapsed(), stop_reason=self.stop_reason, failed=self.job_failed or "",
-                  members={m.id: m.state for m in self.members.values()},
-                  workers=self.report.latest(), best_accuracy=self.best_accuracy,
-                  best_test_loss=self.best_test_loss if self.best_test_loss != float("inf") else None)
+        st.update(self.core.status(time.monotonic()))
         if self.placement is not None:
             st["pipeline"] = self.placement.status()
         return st
 
+    # ---------------------------------------------------------------- the placement loop's link to workers
     async def worker_client(self, worker_id: str) -> Client:
         """A connection to a worker's server (the placement loop tells workers their stages)."""
-        m = self.members[worker_id]
+        address = self.core.membership[worker_id].address
         c = self.worker_clients.get(worker_id)
-        if c is None or c.address != m.address:
+        if c is None or c.address != address:
             if c is not None:
                 await c.close()
-            c = self.worker_clients[worker_id] = self.client(m.address)
+            c = self.worker_clients[worker_id] = self.client(address)
             await c.connect()
         return c
 
+    async def tell_worker(self, worker_id: str, msg: StageAssign) -> None:
+        await (await self.worker_client(worker_id)).request(msg, timeout_s=10)
+
     # ---------------------------------------------------------------- loops
     async def monitor(self) -> None:
-        """Declare nodes lost after 3 silent heartbeat intervals; fail the job if one is."""
+        """Tick the core every half heartbeat interval until the job is over or has failed. It does
+        not raise: if ticking breaks, the job cannot be judged any more, which fails it with the cause."""
         interval = self.cfg.job.heartbeat_interval_s
-        deadline = time.monotonic() + self.cfg.job.join_timeout_s
-        while not self.job_over.is_set():
-            now = time.monotonic()
-            for m in self.members.values():
-                if m.state in ("joined", "done") and now - m.last_seen > 3 * interval:
-                    m.state = "lost"
-                    if self.placement is not None and m.role in WORKER_ROLES:
-                        self.log.warning("worker_lost", node=m.id, silent_s=round(now - m.last_seen, 2))
-                        self.placement.on_membership(m.id, "lost")
-                        self._check_workers_done()
-                        continue
-                    self.job_failed = f"node {m.id} ({m.role}) lost: silent for {now - m.last_seen:.1f} s"
-                    self.log.error("node_lost", node=m.id, silent_s=round(now - m.last_seen, 2))
-                if m.state == "expected" and now > deadline:
-                    self.job_failed = f"node {m.id} ({m.role}) did not join within {self.cfg.job.join_timeout_s} s"
-                    self.log.error("node_missing", node=m.id)
-            if self.job_failed:
-                return
-            await asyncio.sleep(interval / 2)
+        try:
+            self.core.start(time.monotonic())
+            while not self.core.over and not self.core.failed:
+                self.core.tick(time.monotonic())
+                self._dispatch_events()
+                await asyncio.sleep(interval / 2)
+        except Exception as exc:
+            self.log.exception("monitor_failed")
+            self.core.fail(f"scheduler monitor failed: {exc.__class__.__name__}: {exc}")
+        finally:
+            self._dispatch_events()
 
     async def main(self) -> None:
-        placement = asyncio.create_task(self.placement.run(), name="placement") if self.placement else None
+        self.spawn(self.monitor(), name="monitor")
+        if self.placement is not None:
+            self.spawn(self.placement.run(), name="placement")
         try:
-            await self._main()
+            await self.run_job()
         finally:
-            if placement is not None:
-                placement.cancel()
-                await asyncio.gather(placement, return_exceptions=True)
             for c in self.worker_clients.values():
                 await c.close()
 
-    async def _main(self) -> None:
-        monitor = asyncio.create_task(self.monitor(), name="monitor")
-        done = asyncio.create_task(self.workers_done.wait())
-        stop = asyncio.create_task(self.stopping.wait())
-        await asyncio.wait({monitor, done, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if monitor.done() and not monitor.cancelled() and monitor.exception() is not None:
-            # The monitor (stop rules, liveness) broke: the job cannot be judged any more. That
-            # is a failure with its cause, not a graceful stop.
-            exc = monitor.exception()
-            self.log.error("monitor_failed", error=f"{exc.__class__.__name__}: {exc}")
-            self.job_failed = self.job_failed or f"scheduler monitor failed: {exc.__class__.__name__}: {exc}"
-        for t in (monitor, done, stop):
-            t.cancel()
-        await asyncio.gather(monitor, done, stop, return_exceptions=True)
-        if self.job_failed:
-            self.failed = self.job_failed
+    async def run_job(self) -> None:
+        """Wait until every worker is done, the job fails or the scheduler is stopped; then finish
+        (evaluate, write the report) and let every node hear that the job is over."""
+        waits = [asyncio.create_task(e.wait()) for e in (self.workers_done, self.job_failed, self.stopping)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in waits:
+                t.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        self._dispatch_events()
+        if self.core.failed:
+            self.failed = self.core.failed
         elif not self.workers_done.is_set():
             # Stopped by a signal or a shutdown request: a graceful stop, not a failure (exit 0),
             # but every node is told the job is over.
-            self.stop_reason = "scheduler stopped before the job finished"
+            self.core.interrupt()
             self.log.info("job_interrupted")
         else:
             await self.finish()
-        self.job_over.set()
+        self.core.end()
         await self.drain()
 
     async def finish(self) -> None:
         """Evaluate the final parameters, write the report."""
         try:
-            shards = [(s.id, self.members[s.id].address) for s in self.cfg.shards]
-            async with PSClient.from_config(self.cfg, shards, name=self.id) as ps:
+            shards = [(s.id, self.core.membership[s.id].address) for s in self.cfg.shards]
+            # Building the model and the report's plot are slow: on the compute thread, so that the
+            # event loop keeps answering heartbeats meanwhile.
+            client = await self.in_thread(lambda: PSClient.from_config(self.cfg, shards, name=self.id))
+            async with client as ps:
                 await ps.pull()
-                # In a thread: the event loop keeps answering heartbeats meanwhile.
-                final = await asyncio.to_thread(ps.evaluate, self.dataset)
+                final = await self.in_thread(ps.evaluate, self.dataset)
         except Exception as exc:
             self.log.exception("final_evaluation_failed")
             final = {"error": f"{exc.__class__.__name__}: {exc}"}
-        # best_reported_accuracy is what the workers measured on their replicas while training (what the stop rule
-        # saw); test_accuracy is the PS parameters at the end, after the updates still in flight when it stopped.
         if self.placement is not None:
-            self.report.pipeline = self.placement.report()
-        self.report.final = {**final, "elapsed_s": self.elapsed(), "stop_reason": self.stop_reason or "epochs done",
-                             "best_reported_accuracy": self.best_accuracy}
-        paths = await asyncio.to_thread(write_report, self.report, self.cfg.report_dir)
+            self.core.run_report.pipeline = self.placement.report()
+        report = self.core.finish_report(final, time.monotonic())
+        paths = await self.in_thread(write_report, report, self.cfg.report_dir)
         self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
                       report=str(paths[0]))
 
     async def drain(self) -> None:
-        """Let every live node hear 'shutdown' through its heartbeat, then stop (bounded)."""
+        """Let every connected node hear 'shutdown' through its heartbeat, then stop (bounded)."""
         deadline = time.monotonic() + 3 * self.cfg.job.heartbeat_interval_s + 5.0
         while time.monotonic() < deadline:
-            live = [m for m in self.members.values() if m.state in ("joined", "done")]
-            if not live:
+            if not self.core.membership.ids(CONNECTED):
                 break
             await asyncio.sleep(0.05)

@@ -20,6 +20,16 @@ One engine task handles every event in arrival order (assignments, activations, 
 writing a push's reply (which rewrites the stage's parameters in place) never overlaps a forward
 or backward that saved them. Messages of a newer plan or a later step wait in ``held`` until the
 worker is there; messages of an older plan or step are dropped.
+
+The engine's forward and backward passes, the evaluation and the model building run off the event
+loop (``Node.in_thread`` and a thread of their own for the evaluation's replica), so the loop keeps
+heartbeating however long a micro-batch takes. The engine awaits each pass before it handles the
+next event, so the loop and the compute thread never touch the stage's parameters at once.
+
+Backpressure: activations and gradients wait in the engine's queue; once ``4 * [placement]
+micro_batches`` of them are queued (more than a schedule can legitimately have in flight for one
+worker: its micro-batches' activations and gradients, of this step and of the next), the handler
+of the next one waits until the engine has taken one.
 """
 
 from __future__ import annotations
@@ -100,8 +110,12 @@ class StagePSClient(PSClient):
 class StageWorkerNode(Node):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
-        torch.set_num_threads(self.node.threads)
+        # Unbounded as a queue: assignments, stop wake-ups and replayed held messages go in at once. The data
+        # from peers is bounded by on_data, which waits while the engine has ``events_bound`` events queued.
         self.events: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.events_bound = 4 * cfg.placement.micro_batches
+        self._room = asyncio.Event()
+        self.eval_ps: PSClient | None = None
         self.held: list[Message] = []
         self.assign: StageAssign | None = None
         self.compute: StageCompute | None = None
@@ -135,16 +149,28 @@ class StageWorkerNode(Node):
         return Ack(detail=f"plan {msg.plan}")
 
     async def on_data(self, msg: Message, peer: bytes) -> None:
-        self.events.put_nowait(msg)  # one-way: no reply
+        """Activations or gradients (one-way: no reply), queued for the engine; waits while the queue is full."""
+        while self.events.qsize() >= self.events_bound:
+            self._room.clear()
+            await self._room.wait()
+        self.events.put_nowait(msg)
+
+    def _take(self) -> Message | None:
+        ev = self.events.get_nowait()
+        self._room.set()
+        return ev
 
     # ---------------------------------------------------------------- main
     async def main(self) -> None:
-        self.data = job.dataset(self.cfg)
-        self.sharded = job.sharded_model(self.cfg)
-        # One untimed pass before joining: first calls initialise kernels and autograd, which on a busy
-        # machine can stall the event loop past the heartbeat limit once training has started.
-        self.sharded.model(self.data.x_train[:2]).sum().backward()
-        self.sharded.flat.zero_grad()
+        self.data = await self.in_thread(job.dataset, self.cfg)
+        self.sharded = await self.in_thread(job.sharded_model, self.cfg)
+
+        def warm_up() -> None:
+            # One untimed pass before joining: first calls initialise kernels and autograd (slow on a busy machine).
+            self.sharded.model(self.data.x_train[:2]).sum().backward()
+            self.sharded.flat.zero_grad()
+
+        await self.in_thread(warm_up)
         welcome = await self.join()
         if welcome is None:
             return
@@ -154,8 +180,9 @@ class StageWorkerNode(Node):
         await self.ps.connect()
         self.order = ExampleOrder(len(self.data.y_train), self.cfg.train.batch_size,
                                   self.cfg.placement.micro_batches, self.cfg.data.seed)
-        hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
-        reports = asyncio.create_task(self.report_loop(), name="reports")
+        self.start_heartbeat()
+        # A report loop that dies (an evaluation that fails) fails the node at once (Node.spawn).
+        reports = self.spawn(self.report_loop(), name="reports")
         try:
             await self.engine()
         except Exception as exc:
@@ -167,15 +194,15 @@ class StageWorkerNode(Node):
             except Exception as exc:
                 self.log.warning("last_push_failed", error=str(exc))
             reports.cancel()
-            await asyncio.gather(reports, return_exceptions=True)
+            await asyncio.wait({reports})
             if not self.failed:
                 await self.send_report(done=True)
             await self.ps.leave(self.failed or "done")
             await self.ps.close()
+            if self.eval_ps is not None:
+                await self.eval_ps.close()
             for c in self.peers.values():
                 await c.close()
-            hb.cancel()
-            await asyncio.gather(hb, return_exceptions=True)
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
 
     async def engine(self) -> None:
@@ -191,11 +218,12 @@ class StageWorkerNode(Node):
                 if self.events.empty():
                     t0 = time.perf_counter()
                     ev = await self.events.get()
+                    self._room.set()
                     dt = time.perf_counter() - t0
                     self.idle_s += dt
                     self.plan_idle += dt
                 else:
-                    ev = self.events.get_nowait()
+                    ev = self._take()
                 if ev is None:
                     break
                 await self.handle(ev)
@@ -285,18 +313,17 @@ class StageWorkerNode(Node):
         self.started_step = True
         if not compute.saved:
             self.write_done_pushes()  # no graph holds the parameters: take the new values that are here
-        t0 = time.perf_counter()
-        out = compute.forward(m, x, labels)
         if compute.last:
-            grad = compute.backward(m)
-            self.busy(t0)
-            self.loss(float(out))
+            loss, grad, dt = await self.in_thread(self._forward_backward, compute, m, x, labels)
+            self.busy(dt)
+            self.loss(loss)
             self.done_mbs.add(m)
             if grad is not None:
                 await self.send_to(a.prev, Gradients(sender=self.id, plan=a.plan, step=self.step, micro_batch=m,
                                                      grads=grad))
             return
-        self.busy(t0)
+        out, dt = await self.in_thread(self._timed, compute.forward, m, x, labels)
+        self.busy(dt)
         await self.send_to(a.next, Activations(sender=self.id, plan=a.plan, step=self.step, micro_batch=m,
                                                values=out, labels=labels))
 
@@ -305,13 +332,27 @@ class StageWorkerNode(Node):
         assert a is not None and compute is not None
         if m not in compute.saved:
             return  # not ours, or already done
-        t0 = time.perf_counter()
-        grad_in = compute.backward(m, grad)
-        self.busy(t0)
+        grad_in, dt = await self.in_thread(self._timed, compute.backward, m, grad)
+        self.busy(dt)
         self.done_mbs.add(m)
         if grad_in is not None:
             await self.send_to(a.prev, Gradients(sender=self.id, plan=a.plan, step=self.step, micro_batch=m,
                                                  grads=grad_in))
+
+    @staticmethod
+    def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """``fn(*args)`` and the seconds it took (on the compute thread)."""
+        t0 = time.perf_counter()
+        return fn(*args), time.perf_counter() - t0
+
+    @staticmethod
+    def _forward_backward(compute: StageCompute, m: int, x: torch.Tensor,
+                          labels: torch.Tensor) -> tuple[float, torch.Tensor | None, float]:
+        """The last stage's forward, loss and backward (on the compute thread): (loss, input gradient, seconds)."""
+        t0 = time.perf_counter()
+        loss = float(compute.forward(m, x, labels))
+        grad = compute.backward(m)
+        return loss, grad, time.perf_counter() - t0
 
     async def send_to(self, addresses: tuple[str, ...], msg: Activations | Gradients) -> None:
         """One-way, zero-copy: the tensor is not touched again (it is freed once sent). This does not
@@ -382,8 +423,7 @@ class StageWorkerNode(Node):
         self.write_done_pushes()
 
     # ---------------------------------------------------------------- metrics
-    def busy(self, t0: float) -> None:
-        dt = time.perf_counter() - t0
+    def busy(self, dt: float) -> None:
         self.busy_s += dt
         self.plan_busy += dt
 
@@ -421,9 +461,11 @@ class StageWorkerNode(Node):
 
     async def evaluate(self) -> dict[str, float]:
         """Test accuracy of the whole model as the shards hold it now (a separate replica)."""
-        if not hasattr(self, "eval_ps"):
+        if self.eval_ps is None:
             shards = [(sid, c.address) for sid, c, _ in self.ps._all_keys]
-            self.eval_ps = PSClient(job.sharded_model(self.cfg), shards, name=f"{self.id}-eval", cfg=self.cfg)
+            model = await asyncio.to_thread(job.sharded_model, self.cfg)
+            self.eval_ps = PSClient(model, shards, name=f"{self.id}-eval", cfg=self.cfg,
+                                    timeout_s=self.cfg.limits.request_timeout_s)
             await self.eval_ps.connect()
         await self.eval_ps.pull()
         return await asyncio.to_thread(evaluate, self.eval_ps.model, self.data.x_test, self.data.y_test)

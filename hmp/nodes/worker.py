@@ -4,6 +4,11 @@ Per step: take a batch of this worker's data shard, forward and backward (gradie
 gradient buffer), push to the shards, and continue with the new values their replies carry.
 Every ``report_interval_s`` the worker reports progress to the scheduler and gets its batch size
 (and whether to stop) back. Worker 0 also measures test accuracy every ``eval_every_s``.
+
+Forward/backward, evaluation and building the model run on the node's compute thread
+(``Node.in_thread``), so a step or an evaluation that outlasts several heartbeat intervals does
+not silence the node: the event loop keeps heartbeating meanwhile. The loop and the compute
+thread take turns on the model (every call is awaited before the next step touches it).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from torch.nn import functional as F
 from hmp.client import PSClient
 from hmp.train.evaluate import evaluate, evaluate_sweep
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
-from hmp.config import Config
+from hmp.config import BatchPolicyKind, Config, Consistency, Role
+from hmp.data import ShuffledBatches
+from hmp.ema import ema
 from hmp import job
 from hmp.errors import HmpError, RemoteError
 from hmp.messages import Assign, Report, Work
@@ -28,7 +35,7 @@ from hmp.nodes.base import Node
 
 def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
     """The worker's device; a GPU worker without CUDA fails unless its config says device = "cpu"."""
-    name = requested or ("cuda" if role == "gpu_worker" else "cpu")
+    name = requested or ("cuda" if role == Role.GPU_WORKER else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise HmpError(f"{role} {node_id}: CUDA is not available on this machine; set device = \"cpu\" in its "
                        f"[[nodes]] entry to run it on the CPU")
@@ -38,9 +45,8 @@ def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
 class WorkerNode(Node):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
-        torch.set_num_threads(self.node.threads)
         self.device = resolve_device(self.node.role, self.node.device, node_id)
-        if self.node.role == "gpu_worker" and self.device.type == "cpu":
+        if self.node.role == Role.GPU_WORKER and self.device.type == "cpu":
             self.log.info("gpu_worker_on_cpu", reason="config says device = \"cpu\"")
         self.batch_size = self.node.batch_size or cfg.train.batch_size
         self.stop_requested = False
@@ -52,14 +58,13 @@ class WorkerNode(Node):
         return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
 
     async def main(self) -> None:
-        # Blocking set-up (imports, data, model) happens before joining: once joined, the
-        # scheduler expects heartbeats.
-        data = job.dataset(self.cfg)
-        sharded = job.sharded_model(self.cfg, self.device)
+        # Set-up (data, model) happens before joining, on the compute thread (signals are still heard).
+        data = await self.in_thread(job.dataset, self.cfg)
+        sharded = await self.in_thread(job.sharded_model, self.cfg, self.device)
         welcome = await self.join()
         if welcome is None:
             return
-        hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
+        self.start_heartbeat()
         info = welcome.info
         self.batch_size = int(info.get("batch_size") or self.batch_size)
         ps = PSClient(sharded, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
@@ -76,8 +81,6 @@ class WorkerNode(Node):
                 await self.send_report(ps, done=True)
             await ps.leave(self.failed or "done")
             await ps.close()
-            hb.cancel()
-            await asyncio.gather(hb, return_exceptions=True)
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
 
     async def push_unless_stopped(self, ps: PSClient, samples: int) -> bool:
@@ -91,7 +94,7 @@ class WorkerNode(Node):
         if self.stopping.is_set():
             return False
         try:
-            if self.cfg.train.consistency == "async":
+            if self.cfg.train.consistency == Consistency.ASYNC:
                 await ps.push(samples=samples)
                 return True
             push = asyncio.ensure_future(ps.push(samples=samples))
@@ -139,7 +142,7 @@ class WorkerNode(Node):
     @property
     def first_come_first_served(self) -> bool:
         """Hogbatch policies hand data out on demand; the others give each worker a fixed slice."""
-        return self.cfg.train.policy in ("hogbatch", "adaptive")
+        return self.cfg.train.policy in (BatchPolicyKind.HOGBATCH, BatchPolicyKind.ADAPTIVE)
 
     async def units(self, n: int, index: int, count: int) -> AsyncIterator[torch.Tensor]:
         """Index tensors into the training set, a unit of work at a time, until the epochs are used up.
@@ -152,23 +155,20 @@ class WorkerNode(Node):
         t = self.cfg.train
         if not self.first_come_first_served:
             lo, hi = n * index // count, n * (index + 1) // count
-            gen = torch.Generator().manual_seed(self.cfg.data.seed * 1000 + index)
+            mine = ShuffledBatches(hi - lo, seed=(self.cfg.data.seed, index))
             for epoch in range(t.epochs):
                 self.metrics["epoch"] = epoch
-                yield lo + torch.randperm(hi - lo, generator=gen)
+                yield lo + mine.order(epoch)
             return
         assert self.scheduler is not None
-        orders: dict[int, torch.Tensor] = {}
+        order = ShuffledBatches(n, seed=self.cfg.data.seed)  # the same on every worker
         while True:
             unit = await self.scheduler.request(Work(count=self.batch_size * t.work_unit_batches))
             assert isinstance(unit, Work)
             if unit.count == 0:
                 return
-            if unit.epoch not in orders:
-                orders = {unit.epoch: torch.randperm(n, generator=torch.Generator().manual_seed(
-                    self.cfg.data.seed * 7919 + unit.epoch))}
             self.metrics["epoch"] = unit.epoch
-            yield orders[unit.epoch][unit.start:unit.start + unit.count]
+            yield order.order(unit.epoch)[unit.start:unit.start + unit.count]
 
     async def batches(self, n: int, index: int, count: int) -> AsyncIterator[torch.Tensor]:
         """Batches of the work units; the batch size is read at every step, as the scheduler
@@ -190,7 +190,7 @@ class WorkerNode(Node):
         """After each step: evaluate (worker 0) and report to the scheduler when they are due."""
         now = time.monotonic()
         if now >= self.next_eval:
-            self.metrics.update(self.evaluate(ps, data))
+            self.metrics.update(await self.in_thread(self.evaluate, ps, data))
             self.next_eval = now + self.cfg.train.eval_every_s
         if now >= self.next_report:
             await self.send_report(ps)
@@ -208,19 +208,20 @@ class WorkerNode(Node):
         self.start_clock(index)
         self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device),
                       data="first-come-first-served" if self.first_come_first_served else "static slice")
-        ema = None
+        loss_avg = None
         array, flat = ps.sharded.array, ps.sharded.flat
         # Sweep: the values before the step, to push the step's delta (a copy by necessity).
         before = {d: torch.empty_like(t) for d, t in flat.params.items()} if array is not None else {}
-        async for idx in self.batches(len(y), index, count):
-            if self.stopping.is_set() or self.stop_requested:
-                return
+
+        def step(idx: torch.Tensor) -> tuple[float, list[float], float]:
+            """One step's compute, on the compute thread: (loss, sweep members' losses, seconds)."""
             t0 = time.perf_counter()
+            members: list[float] = []
             if array is None:
                 flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
                 loss = F.cross_entropy(model(x[idx]), y[idx])
                 loss.backward()
-                lv = loss.item()
+                lv = loss.item()  # waits for the device: the push reads finished gradients
             else:
                 # HFTA sweep: the fused optimizer (per-member hyper-parameters) steps locally; the
                 # delta old - new goes to the shards in the gradient buffer; they apply p -= 1 * delta.
@@ -229,18 +230,26 @@ class WorkerNode(Node):
                 member_losses = array.step(x[idx], y[idx])
                 for d, values in flat.params.items():
                     torch.sub(before[d], values, out=flat.grads[d])
-                lv = member_losses.mean().item()
-                self.metrics.update({f"member{b}_loss": float(v) for b, v in enumerate(member_losses)})
-            self.busy_s += time.perf_counter() - t0
+                members = member_losses.tolist()
+                lv = sum(members) / len(members)
+            return lv, members, time.perf_counter() - t0
+
+        async for idx in self.batches(len(y), index, count):
+            if self.stopping.is_set() or self.stop_requested:
+                return
+            lv, members, busy = await self.in_thread(step, idx)
+            self.busy_s += busy
+            if members:
+                self.metrics.update({f"member{b}_loss": v for b, v in enumerate(members)})
             if not await self.push_unless_stopped(ps, len(idx)):
                 return
             self.step += 1
-            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
-            self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=ema)
+            loss_avg = ema(loss_avg, lv, 0.9)
+            self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=loss_avg)
             await self.tick(ps, data)
         self.metrics["epoch"] = t.epochs
         if index == 0:
-            self.metrics.update(self.evaluate(ps, data))
+            self.metrics.update(await self.in_thread(self.evaluate, ps, data))
 
     def evaluate(self, ps: PSClient, data: Any) -> dict[str, float]:
         if ps.sharded.array is not None:
@@ -264,8 +273,7 @@ class WorkerNode(Node):
             # turns several Hogwild steps into one much larger step.
             self.log.warning("hogwild_with_momentum", optimizer=o.name, momentum=o.momentum,
                              advice="Hogbatch as in the paper uses plain SGD (momentum = 0)")
-        trainer = HogwildTrainer(ps.model, self.node.hogwild_threads, lr, self.batch_size, F.cross_entropy,
-                                 intra_op_threads=1)
+        trainer = HogwildTrainer(ps.model, self.node.hogwild_threads, lr, self.batch_size, F.cross_entropy)
         acc = GradientAccumulator.for_model(ps.model)
         self.start_clock(index)
         self.log.info("training_hogwild", threads=self.node.hogwild_threads, batch_size=self.batch_size)
@@ -305,9 +313,7 @@ class WorkerNode(Node):
             await push_pending()
             self.busy_s += min(stats.busy_s / max(1, self.node.hogwild_threads), time.perf_counter() - t0)
             if stats.updates:
-                lv = stats.mean_loss
-                prev = self.metrics.get("loss")
-                self.metrics["loss"] = lv if prev != prev else 0.9 * prev + 0.1 * lv
+                self.metrics["loss"] = ema(self.metrics.get("loss"), stats.mean_loss, 0.9)
             await self.tick(ps, data)
         if index == 0:
-            self.metrics.update(self.evaluate(ps, data))
+            self.metrics.update(await self.in_thread(self.evaluate, ps, data))

@@ -8,12 +8,14 @@ has gone backward (drain), then the next step starts. Micro-batch ``m`` of a sta
 workers is handled by worker ``m % k`` (data parallel within the stage).
 
 Which examples make up a micro-batch is a pure function of (step, micro-batch), so no example
-ids need to travel: epoch ``e``'s shuffled order is ``randperm(n, seed * 7919 + e)``.
+ids need to travel: epoch ``e``'s shuffled order is :meth:`hmp.data.ShuffledBatches.order` ``(e)``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hmp.data import ShuffledBatches
 
 
 def worker_for(micro_batch: int, workers: int) -> int:
@@ -37,14 +39,14 @@ def total_steps(epochs: int, n_train: int, batch_size: int) -> int:
 
 
 class ExampleOrder:
-    """Example ids of (step, micro-batch); the per-epoch permutation is cached."""
+    """Example ids of (step, micro-batch), cut from the seeded epoch orders of :class:`ShuffledBatches`."""
 
     def __init__(self, n_train: int, batch_size: int, micro_batches: int, seed: int) -> None:
         if batch_size % micro_batches:
             raise ValueError(f"batch size {batch_size} is not a multiple of {micro_batches} micro-batches")
         self.n, self.batch, self.mb, self.seed = n_train, batch_size, micro_batches, seed
         self.per_epoch = steps_per_epoch(n_train, batch_size)
-        self._epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+        self._shuffled = ShuffledBatches(n_train, seed=seed)
 
     @property
     def micro_batch_size(self) -> int:
@@ -54,9 +56,5 @@ class ExampleOrder:
         return step // self.per_epoch
 
     def ids(self, step: int, micro_batch: int) -> torch.Tensor:
-        epoch = self.epoch_of(step)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
         lo = (step % self.per_epoch) * self.batch + micro_batch * self.micro_batch_size
-        return self._order[lo:lo + self.micro_batch_size]
+        return self._shuffled.order(self.epoch_of(step))[lo:lo + self.micro_batch_size]

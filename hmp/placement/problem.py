@@ -229,12 +229,6 @@ class PlacementProblem:
         """One line per resource type with its price, count and provenance (measured or not)."""
         return [f"{r.name}: ${r.price_per_hour:g}/h x{r.count}, {r.provenance}" for r in self.resources]
 
-    def resource_index(self, name: str) -> int:
-        for i, r in enumerate(self.resources):
-            if r.name == name:
-                return i
-        raise ValueError(f"unknown resource type {name!r}; expected one of {[r.name for r in self.resources]}")
-
     def with_counts(self, counts: Mapping[str, int] | Sequence[int]) -> PlacementProblem:
         """The same problem with new worker counts (workers joined or left).
 
@@ -326,32 +320,3 @@ class Plan:
                 f"{s.time_s * 1e3:.3f} ms/batch ({s.compute_s * 1e3:.3f} compute, {s.transfer_s * 1e3:.3f} transfer)"
             )
         return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        """JSON-ready (``inf`` becomes ``None``)."""
-
-        def num(x: float) -> float | None:
-            return x if math.isfinite(x) else None
-
-        return {
-            "assignment": list(self.assignment),
-            "stages": [
-                {
-                    "start": s.start,
-                    "stop": s.stop,
-                    "resource": s.resource_name,
-                    "workers": s.workers,
-                    "time_s": s.time_s,
-                    "transfer_bound": s.transfer_bound,
-                }
-                for s in self.stages
-            ],
-            "throughput": num(self.throughput),
-            "cost": num(self.cost),
-            "feasible": self.feasible,
-            "time_to_train_s": num(self.time_to_train_s),
-            "workers_by_type": list(self.workers_by_type),
-            "shortfall": self.shortfall,
-            "reason": self.reason,
-            "planner": self.planner,
-        }

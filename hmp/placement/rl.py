@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hmp.ema import ema
 from hmp.placement import cost_model, local_search
 from hmp.placement.baselines import DEFAULT_BUDGET, GreedyPlanner
 from hmp.placement.features import PrefixState, dynamic_dim, static_dim, static_features
@@ -226,9 +227,8 @@ class RLPlanner:
                 elite = dict(sorted(elite.items(), key=lambda kv: -kv[1])[: self.elite])
             mean_r = float(r[k:].mean())
             history.append(mean_r)
-            baseline = mean_r if baseline is None else self.baseline_decay * baseline + (1 - self.baseline_decay) * mean_r
-            std = float(r[k:].std())
-            scale = max(std if scale is None else self.baseline_decay * scale + (1 - self.baseline_decay) * std, 1e-3)
+            baseline = ema(baseline, mean_r, self.baseline_decay)
+            scale = max(ema(scale, float(r[k:].std()), self.baseline_decay), 1e-3)
             adv = torch.from_numpy((r - baseline) / scale).float()
             coef = self.entropy_coef * max(0.0, 1.0 - it / decay_its)
             loss = -(adv * logp).mean() - coef * ent.mean() / problem.n_layers

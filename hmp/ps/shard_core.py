@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hmp.config import Consistency
 from hmp.errors import RequestError
 from hmp.ps.optim import accumulate, make_chunk_optimizer, scale_
 
@@ -41,8 +42,8 @@ class ShardCore:
     """State of one PS shard. ``version`` counts optimizer steps applied (the shard's clock)."""
 
     def __init__(self, shard_id: str, chunks: dict[int, torch.Tensor], optimizer: str, hyper: dict[str, Any],
-                 consistency: str = "async", staleness: int = 0) -> None:
-        if consistency not in ("async", "sync", "ssp"):
+                 consistency: str = Consistency.ASYNC, staleness: int = 0) -> None:
+        if consistency not in tuple(Consistency):
             raise ValueError(f"consistency must be async, sync or ssp, got {consistency!r}")
         self.shard_id = shard_id
         self.consistency = consistency
@@ -116,7 +117,7 @@ class ShardCore:
     # ---------------------------------------------------------------- async / ssp
     def ssp_ready(self, worker: str) -> bool:
         """SSP: may ``worker`` apply another update? Only within ``staleness`` of the slowest."""
-        if self.consistency != "ssp" or len(self.live_workers) <= 1:
+        if self.consistency != Consistency.SSP or len(self.live_workers) <= 1:
             return True
         slowest = min(self.clock.get(w, 0) for w in self.live_workers)
         return self.clock.get(worker, 0) - slowest <= self.staleness
@@ -188,15 +189,28 @@ class ShardCore:
         self.updates_applied = state["updates_applied"]
         self.samples = state["samples"]
 
-    def save(self, path: Path) -> None:
-        """Write a checkpoint atomically (temp file, fsync, rename)."""
+    def snapshot(self) -> dict[str, Any]:
+        """A :meth:`state_dict` that owns its tensors (copies): later updates do not change it,
+        so it can be written by another thread while the shard goes on (:meth:`write`)."""
+        state = self.state_dict()  # optimizer states are copies already
+        state["params"] = {k: p.clone() for k, p in state["params"].items()}
+        return state
+
+    @staticmethod
+    def write(state: dict[str, Any], path: Path) -> None:
+        """Write a state dict atomically (temp file, fsync, rename); touches no shard state, so it
+        may run in a thread (on a :meth:`snapshot`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
-            torch.save(self.state_dict(), f)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+    def save(self, path: Path) -> None:
+        """Write a checkpoint atomically (temp file, fsync, rename), on the calling thread."""
+        self.write(self.state_dict(), path)
 
     def load(self, path: Path) -> None:
         self.load_state_dict(torch.load(path, weights_only=True))

@@ -78,11 +78,6 @@ def assign_chunks(chunks: Iterable[Chunk], num_shards: int) -> dict[int, list[in
     return assignment
 
 
-def shard_of(assignment: Mapping[int, Iterable[int]]) -> dict[int, int]:
-    """Invert an assignment: ``{chunk key: shard index}``."""
-    return {k: s for s, keys in assignment.items() for k in keys}
-
-
 @dataclass(frozen=True, slots=True)
 class ShardingReport:
     """How evenly an assignment spreads bytes. ``imbalance`` = max / mean (1.0 is perfect)."""

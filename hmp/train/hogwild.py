@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from hmp.data import ShuffledBatches
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -176,37 +178,25 @@ class GradientAccumulator:
 # ----------------------------------------------------------------------------- trainer
 
 class _Cursor:
-    """First-come-first-served batches of indices over shuffled epochs, behind one lock.
+    """First-come-first-served batches of :class:`hmp.data.ShuffledBatches`, behind one lock.
     Stops handing out batches at the first of: ``epochs`` passes, ``max_updates`` batches,
     the ``deadline`` (``time.perf_counter`` seconds), or ``stop`` being set."""
 
     def __init__(self, n: int, epochs: int | None, max_updates: int | None, deadline: float | None,
                  seed: int, stop: threading.Event) -> None:
         self._lock = threading.Lock()
-        self._gen = torch.Generator().manual_seed(seed)
-        self._n, self._epochs, self._max_updates, self._deadline, self._stop = n, epochs, max_updates, deadline, stop
-        self._perm = torch.randperm(n, generator=self._gen)
-        self._pos = 0
-        self._epoch = 0
+        self._batches = ShuffledBatches(n, seed=seed, epochs=epochs)
+        self._max_updates, self._deadline, self._stop = max_updates, deadline, stop
         self._handed = 0
 
     def take(self, batch: int) -> torch.Tensor | None:
         with self._lock:
-            if self._stop.is_set():
-                return None
-            if self._max_updates is not None and self._handed >= self._max_updates:
+            if self._stop.is_set() or (self._max_updates is not None and self._handed >= self._max_updates):
                 return None
             if self._deadline is not None and time.perf_counter() >= self._deadline:
                 return None
-            if self._pos >= self._n:
-                self._epoch += 1
-                if self._epochs is not None and self._epoch >= self._epochs:
-                    return None
-                self._perm = torch.randperm(self._n, generator=self._gen)
-                self._pos = 0
-            idx = self._perm[self._pos:self._pos + batch]  # the epoch's last batch may be short
-            self._pos += idx.numel()
-            self._handed += 1
+            idx = self._batches.next_batch(batch)  # the epoch's last batch may be short; None after `epochs`
+            self._handed += idx is not None
             return idx
 
 
@@ -216,23 +206,20 @@ class HogwildTrainer:
     ``threads``: Python threads doing updates; ``lr``: SGD step size; ``batch_size``: examples
     per update per thread (settable between and during runs: threads read it per batch);
     ``loss_fn(output, target)`` must return the batch-mean loss as a scalar tensor.
-    ``intra_op_threads``: torch intra-op threads during :meth:`run` (process-wide, restored
-    afterwards; 1 lets each Hogwild thread own one core, None leaves the setting alone).
-    Batches are moved to the device of the model's first parameter.
+    Batches are moved to the device of the model's first parameter. Each thread's ops use the
+    process's intra-op thread count, which this class never changes (it is process-wide and
+    racy to change while threads run): a daemon sets it once at start (``[[nodes]] threads``,
+    default 1, which lets each Hogwild thread own one core).
     """
 
-    def __init__(self, model: nn.Module, threads: int, lr: float, batch_size: int, loss_fn: LossFn,
-                 *, intra_op_threads: int | None = 1) -> None:
+    def __init__(self, model: nn.Module, threads: int, lr: float, batch_size: int, loss_fn: LossFn) -> None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-        if intra_op_threads is not None and (not isinstance(intra_op_threads, int) or intra_op_threads < 1):
-            raise ValueError(f"intra_op_threads must be None or an int >= 1, got {intra_op_threads!r}")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
         self.model, self.threads, self.lr, self.loss_fn = model, threads, float(lr), loss_fn
-        self.intra_op_threads = intra_op_threads
         self.batch_size = batch_size
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
@@ -311,10 +298,7 @@ class HogwildTrainer:
             # reset before the run becomes visible: a stop() from anyone who saw running=True counts
             self._stop.clear()
             self._active = True
-        previous_threads = torch.get_num_threads()
         try:
-            if self.intra_op_threads is not None:
-                torch.set_num_threads(self.intra_op_threads)
             start = time.perf_counter()
             deadline = start + max_seconds if max_seconds is not None else None
             cursor = _Cursor(X.shape[0], epochs, max_updates, deadline, seed, self._stop)
@@ -334,8 +318,6 @@ class HogwildTrainer:
                 raise errors[0]
             return HogwildStats(tuple(r for r in results if r is not None), wall, self.batch_size)
         finally:
-            if self.intra_op_threads is not None:
-                torch.set_num_threads(previous_threads)
             with self._state:
                 self._active = False
 

@@ -9,7 +9,8 @@ Zero-copy rules
 * ``encode`` returns memoryviews over the tensors' own memory; nothing is copied unless a tensor
   is not C-contiguous (made contiguous once: the wire carries dense row-major bytes). The caller
   must not mutate a tensor until the send that holds its frames has completed (see
-  ``Endpoint.send``: ``track=True`` returns a tracker to wait on).
+  ``hmp.transport.endpoint``: ``Client.send(track=True)`` returns a tracker to wait on, and a
+  handler's ``Reply(msg, on_sent)`` is told when its buffers are free).
 * ``decode`` returns tensors that are *views over the received frames* when a tensor arrived in
   one frame. The default ``frame_bytes`` (1 GiB, the default message limit) keeps every tensor in
   one frame, so the receive side copies nothing. The views are read-only in spirit: they alias the
@@ -66,7 +67,7 @@ MAX_RID = (1 << 64) - 1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds every decoded message must respect (config ``[limits]``)."""
+    """Bounds every decoded message must respect, and what an endpoint may hold (config ``[limits]``)."""
 
     max_frames: int = 4096  #: data frames per message
     max_message_bytes: int = 1 << 30  #: tensor bytes per message
@@ -74,12 +75,17 @@ class Limits:
     max_tensors: int = 4096
     max_rank: int = 8
     max_string: int = 1 << 16  #: characters in any header string
+    #: endpoints only (not the codec): queue memory per socket, peer and direction, which sizes the
+    #: high-water marks (``endpoint.hwm_for``), and requests a server runs at once
+    queue_bytes: int = 1 << 30
+    max_inflight_requests: int = 1024
 
     @classmethod
     def of(cls, settings: Any) -> Limits:
         """The limits a job's ``[limits]`` section (any object with these attributes) sets."""
         return cls(max_frames=settings.max_frames, max_message_bytes=settings.max_message_bytes,
-                   max_rank=settings.max_rank)
+                   max_rank=settings.max_rank, queue_bytes=settings.queue_bytes,
+                   max_inflight_requests=settings.max_inflight_requests)
 
 
 DEFAULT_LIMITS = Limits()

@@ -2,19 +2,33 @@
 
 * :class:`Server` binds a ROUTER socket and dispatches each decoded request to the handler for its
   kind (an explicit table ``{Kind: handler}``). A handler is ``async def on_x(msg, peer) ->
-  Message | None``; its return value is sent back with the request's ``rid``. A frame sequence that
-  does not decode, a kind with no handler, or a handler raising :class:`RequestError` gets an
-  :class:`Error` reply; the server keeps serving everyone else.
+  Message | Reply | None`` and never sends anything itself: the server sends what it returns, with
+  the request's ``rid`` (a :class:`Reply` wraps a message whose zero-copy buffers the handler
+  wants to hear about: the server calls its ``on_sent`` once libzmq has let go of them). A frame
+  sequence that does not decode, a kind with no handler, or a handler raising
+  :class:`RequestError` gets an :class:`Error` reply; the server keeps serving everyone else.
+* One-way rule: a message with ``rid`` 0 is never answered, not even with an error (a decode
+  error whose ``rid`` cannot be read counts as ``rid`` 0 too), and not at shut-down.
+* Backpressure: a server runs at most ``limits.max_inflight_requests`` requests at once (handlers
+  that suspended, replies waiting for room); at the cap it stops reading its socket, so requests
+  queue in libzmq and then in the peers (their sends wait) until a request finishes. Receive
+  high-water marks are sized to memory (:func:`hwm_for`), not to a message count.
 * :class:`Client` opens a DEALER socket to one server. ``request()`` sends a message with a fresh
   ``rid`` and returns the reply with that ``rid`` (many may be in flight); an ``Error`` reply raises
   :class:`RemoteError`, no reply in time raises :class:`RequestTimeout`.
 
 Zero-copy rules (both sides): sends go out with ``copy=False``: libzmq reads the tensors' own
 memory after ``send`` returns, so a tensor must not be mutated until its message is sent. Pass
-``track=True`` to get a ``zmq.MessageTracker`` (covering every zero-copy frame of the message) and
-``await wait_sent(tracker)`` before reusing the buffer. Received data frames are taken with
-``copy=False``: their tensors are read-only views over the receive frames (see
-:mod:`hmp.transport.codec`).
+``track=True`` to ``Client.send`` to get a ``zmq.MessageTracker`` (covering every zero-copy frame
+of the message) and ``await wait_sent(tracker)`` before reusing the buffer; a handler's reply
+does the same with ``Reply(msg, on_sent)``. Received data frames are taken with ``copy=False``:
+their tensors are read-only views over the receive frames (see :mod:`hmp.transport.codec`).
+
+No busy waiting: the event loop shares the machine with libzmq's I/O thread, and uvloop turns a
+sleep under 0.5 ms into an immediate reschedule, i.e. a spin. A send that finds no room waits for
+the socket's FD to signal a state change (room freed, a peer connected), with a fallback poll of
+1-5 ms in case that edge was consumed elsewhere; :func:`wait_sent` polls its tracker at
+increasing intervals from 1 ms (see there).
 
 How the sockets meet asyncio
 ----------------------------
@@ -32,14 +46,12 @@ For large tensors, call :func:`tune_malloc` once at process start (see there).
 from __future__ import annotations
 
 import asyncio
-import collections.abc
 import contextlib
-import contextvars
 import ctypes
+import dataclasses
 import itertools
 import os
 import platform
-import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -50,13 +62,35 @@ import zmq.asyncio
 from hmp.errors import (EndpointClosed, PeerLost, ProtocolError, RemoteError, RequestError, RequestTimeout)
 from hmp.messages import Error, Kind, Message
 from hmp.transport.codec import DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, Limits, decode, encode, frame_error_rid
+from hmp.transport.eager import start_eager
 
-Handler = Callable[[Message, bytes], Awaitable[Message | None]]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    """A handler's reply whose zero-copy buffers the handler must not change until it is sent.
+
+    The server sends ``message`` with a tracker and calls ``on_sent(True)`` once libzmq has let go
+    of every zero-copy frame, or ``on_sent(False)`` when it gives up: the peer is gone, the server
+    closed, or the frames were still held after ``timeout_s`` (a peer that stopped reading). It
+    is called exactly once, on the loop; it must not raise or block. A request with ``rid`` 0
+    is not answered: its reply is dropped and ``on_sent(True)`` called at once.
+    """
+
+    message: Message
+    on_sent: Callable[[bool], None]
+    timeout_s: float = 60.0
+
+
+Handler = Callable[[Message, bytes], Awaitable[Message | Reply | None]]
 log = structlog.get_logger("hmp.transport")
 
-# High-water marks in messages. ROUTER silently drops messages for a peer at its HWM; with a high
-# mark and ROUTER_MANDATORY a send to a full or vanished peer blocks or fails instead.
-HWM = 100_000
+#: Receive high-water marks are at least this many messages (control messages are small).
+HWM_FLOOR = 16
+
+#: Send high-water mark. A zero-copy send queues views of the sender's own buffers (plus a header
+#: each), so a deep send queue costs next to no memory; it lets a stream of small messages run
+#: without waking the sender every few messages (one-way rate ~2x that at 16, bench/transport.py).
+SEND_HWM = 1024
 
 # Plain ints: pyzmq's flag enums cost an enum operation per use, and these are used per frame.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -68,6 +102,23 @@ _POLLIN = int(zmq.POLLIN)
 #: Messages handled per reader callback before other callbacks get a turn (fairness under floods).
 _BURST = 256
 
+#: A send waiting for room retries on every state change of its socket, and at the latest after
+#: this fallback poll (doubling from the first to the second value).
+_SEND_POLL_S = (0.001, 0.005)
+
+#: wait_sent polls a tracker after 1 ms, then at intervals growing by half up to 10 ms.
+_TRACK_POLL_S = (0.001, 0.010)
+
+
+def hwm_for(limits: Limits, frame_bytes: int) -> int:
+    """The receive high-water mark (in messages) that keeps a socket's receive queue per peer near
+    ``limits.queue_bytes``, counting each message as one full frame: ``queue_bytes //
+    frame_bytes``, at least :data:`HWM_FLOOR`. Received frames are fresh allocations driven by the
+    peers, so this is where memory must be bounded. (libzmq counts messages, not bytes; a peer
+    whose messages find the queue full waits, ROUTER_MANDATORY and DEALER sockets never drop.)
+    The send side uses :data:`SEND_HWM`."""
+    return max(HWM_FLOOR, limits.queue_bytes // max(1, frame_bytes))
+
 
 def context() -> zmq.asyncio.Context:
     """The process-wide context (one I/O thread is plenty for loopback at these rates).
@@ -75,10 +126,6 @@ def context() -> zmq.asyncio.Context:
     Endpoints open plain sockets in it; any ``zmq.Context`` may be passed as ``ctx`` instead.
     """
     return zmq.asyncio.Context.instance()
-
-
-# asyncio.Task(..., eager_start=True) exists from Python 3.12 (see Server._on_message).
-_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 def tune_malloc(retain_bytes: int = 1 << 30) -> bool:
@@ -109,31 +156,48 @@ def tune_malloc(retain_bytes: int = 1 << 30) -> bool:
     return mallopt(m_trim_threshold, int(retain_bytes)) == 1 and ok
 
 
-def _configure(sock: zmq.Socket, limits: Limits, hwm: int) -> None:
+def _configure(sock: zmq.Socket, limits: Limits, hwm: tuple[int, int]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.SNDHWM, hwm[0])
+    sock.setsockopt(zmq.RCVHWM, hwm[1])
     # libzmq itself refuses a single frame bigger than any message may be, before buffering it.
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + limits.max_header_bytes)
 
 
 async def wait_sent(tracker: zmq.MessageTracker | None, timeout_s: float = 30.0) -> None:
-    """Wait until libzmq no longer holds the buffers of a tracked send (bounded)."""
-    if tracker is None:
+    """Wait until libzmq no longer holds the buffers of a tracked send (bounded: RequestTimeout).
+
+    The wait polls ``tracker.done`` after 1 ms, then at intervals growing by half up to 10 ms:
+    never a spin (uvloop makes sleeps under 0.5 ms immediate), at most a few hundred wake-ups a
+    second per waiter, and any number of waiters. Not ``to_thread(tracker.wait)``: a blocking
+    wait holds an executor thread per tracker (the default pool has cpu_count + 4), so trackers
+    of a peer that stopped reading would hold every thread for their whole timeout and queue
+    everyone else's waits, and checkpoint writes, behind them.
+    """
+    if tracker is None or tracker.done:
         return
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    delay, longest = _TRACK_POLL_S
     while not tracker.done:
-        if loop.time() > deadline:
+        left = deadline - loop.time()
+        if left <= 0:
             raise RequestTimeout(f"send still pending after {timeout_s} s")
-        await asyncio.sleep(0.0005)
+        await asyncio.sleep(min(delay, left))
+        delay = min(delay * 1.5, longest)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class _Channel:
     """A synchronous zmq socket driven by the running loop (see the module docstring).
 
     ``on_message(parts)`` gets each received multipart message: the first ``copied`` parts as
-    ``bytes`` (routing id, header: small), the rest as zero-copy ``zmq.Frame``.
+    ``bytes`` (routing id, header: small), the rest as zero-copy ``zmq.Frame``. ``pause()``
+    stops reading (messages queue in libzmq, then in the peers) until ``resume()``.
     """
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[Any]], None], copied: int) -> None:
@@ -144,8 +208,10 @@ class _Channel:
         self._fd = sock.getsockopt(zmq.FD)
         self._scheduled = False
         self._closed = False
+        self.paused = False
         self._waiting = 0  # sends waiting for room; later sends queue behind them to keep order
         self._send_lock = asyncio.Lock()
+        self._changed: asyncio.Future | None = None  # a waiting send's wake-up: the FD fired
         self.loop.add_reader(self._fd, self._drain)
         self._schedule()  # messages may have arrived before the reader was registered
 
@@ -154,11 +220,27 @@ class _Channel:
             self._scheduled = True
             self.loop.call_soon(self._drain)
 
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self._schedule()  # messages that arrived meanwhile signalled nothing new
+
     def _drain(self) -> None:
         self._scheduled = False
         if self._closed:
             return
+        if self._changed is not None:  # a send waiting for room: the socket's state changed
+            _wake(self._changed)
         sock, copied = self.sock, self._copied
+        if self.paused:
+            # Not reading, but the FD must be reset (reading ZMQ_EVENTS processes libzmq's
+            # pending commands): it is level-triggered for the loop and would fire in a spin.
+            with contextlib.suppress(zmq.ZMQError):
+                sock.get(_EVENTS)
+            return
         for _ in range(_BURST):
             try:
                 parts = [sock.recv(_NOBLOCK)]
@@ -176,9 +258,12 @@ class _Channel:
                 self._on_message(parts)
             except Exception:  # a bug in one message's handling must not stop the reader
                 log.exception("on_message_failed")
+            if self.paused or self._closed:
+                return  # resume() schedules the rest
         self._schedule()  # more may be waiting: continue after other callbacks had a turn
 
-    def _send_now(self, frames: list[Any], track: bool) -> zmq.MessageTracker | None:
+    def send_now(self, frames: list[Any], track: bool) -> zmq.MessageTracker | None:
+        """Send at once or raise ``zmq.Again`` (no room: nothing was queued)."""
         sock = self.sock
         last = len(frames) - 1
         trackers = []
@@ -210,65 +295,52 @@ class _Channel:
             raise EndpointClosed("socket closed")
         if not self._waiting:
             try:
-                return self._send_now(frames, track)
+                return self.send_now(frames, track)
             except zmq.Again:
                 pass
         # No room (high-water mark, or a ROUTER peer whose pipe is full): wait, in arrival order.
         self._waiting += 1
         try:
             async with self._send_lock:
-                delay = 0.0002
+                delay, longest = _SEND_POLL_S
                 while True:
                     if self._closed:
                         raise EndpointClosed("socket closed")
                     try:
-                        return self._send_now(frames, track)
+                        return self.send_now(frames, track)
                     except zmq.Again:
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 0.01)
+                        pass
+                    await self._state_change(delay)
+                    delay = min(delay * 2, longest)
         finally:
             self._waiting -= 1
+
+    async def _state_change(self, timeout: float) -> None:
+        """Until the socket's FD fires (room freed, a peer connected, a message arrived), or ``timeout``.
+
+        The FD fires for any change, not just for room; a ROUTER, whose ZMQ_EVENTS shows POLLOUT
+        whatever its peers' pipes hold, has no finer signal. Retrying on each is cheap (one
+        failed NOBLOCK send) and bounded by the socket's real traffic; the timeout covers an edge
+        some other socket call consumed."""
+        fut = self.loop.create_future()
+        self._changed = fut
+        timer = self.loop.call_later(timeout, _wake, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if self._changed is fut:
+                self._changed = None
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._changed is not None:
+            _wake(self._changed)  # a waiting send sees the close at once
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self._fd)
         self.sock.close(linger=0)
-
-
-_STARTED = object()
-
-
-class _Resume(collections.abc.Coroutine):
-    """The rest of a coroutine whose first step already ran outside any Task.
-
-    A Task driving this first gets what that step yielded (the future the coroutine waits on),
-    then every send/throw goes straight to the coroutine: the Task drives it as if it had run the
-    first step itself, cancellation included.
-    """
-
-    __slots__ = ("_coro", "_first")
-
-    def __init__(self, coro: collections.abc.Coroutine, first: Any) -> None:
-        self._coro, self._first = coro, first
-
-    def send(self, value: Any) -> Any:
-        if self._first is not _STARTED:
-            first, self._first = self._first, _STARTED
-            return first
-        return self._coro.send(value)
-
-    def throw(self, *exc: Any) -> Any:
-        self._first = _STARTED
-        return self._coro.throw(*exc)
-
-    def close(self) -> None:
-        self._coro.close()
-
-    def __await__(self) -> Any:
-        raise TypeError("_Resume is driven by a Task only")
 
 
 class Server:
@@ -278,15 +350,19 @@ class Server:
     address (a ``tcp://host:0`` bind picks a free port).
 
     With ``eager=True`` (the default) a handler starts at once, in the reader callback, and only
-    one that suspends gets a Task (as with Python 3.12's eager task factory). Up to its first
-    suspension ``asyncio.current_task()`` is therefore None: a handler must not enter
-    ``asyncio.timeout()`` before its first ``await`` of something pending (``eager=False``
-    gives every request its own Task from the start).
+    one that suspends gets a Task (:func:`hmp.transport.eager.start_eager`; Python 3.12's eager
+    start where the interpreter has it). On Python 3.11 ``asyncio.current_task()`` is None up to
+    the handler's first suspension: a handler must not enter ``asyncio.timeout()`` before its
+    first ``await`` of something pending (``eager=False`` gives every request its own Task from
+    the start). High-water marks: :data:`SEND_HWM` and :func:`hwm_for` of ``limits`` and
+    ``frame_bytes`` for receiving (``hwm`` sets both); ``max_inflight`` defaults to
+    ``limits.max_inflight_requests``.
     """
 
     def __init__(self, address: str, handlers: Mapping[Kind, Handler], *, name: str = "server",
                  limits: Limits = DEFAULT_LIMITS, frame_bytes: int = DEFAULT_FRAME_BYTES,
-                 ctx: zmq.Context | None = None, eager: bool = True, hwm: int = HWM) -> None:
+                 ctx: zmq.Context | None = None, eager: bool = True, hwm: int | None = None,
+                 max_inflight: int | None = None) -> None:
         self.bind_address = address
         self.address = address
         self.handlers = dict(handlers)
@@ -294,12 +370,16 @@ class Server:
         self.limits = limits
         self.frame_bytes = frame_bytes
         self.eager = eager
-        self.hwm = hwm
+        self.hwm = (SEND_HWM, hwm_for(limits, frame_bytes)) if hwm is None else (hwm, hwm)
+        self.max_inflight = limits.max_inflight_requests if max_inflight is None else max_inflight
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         self._ctx = ctx or context()
         self._chan: _Channel | None = None
         self._inflight: set[asyncio.Task] = set()
         self._closing = False
-        self.stats = {"requests": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0}
+        self.stats = {"requests": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0, "replies": 0,
+                      "unanswered_one_way_errors": 0, "paused": 0}
         self.log = log.bind(node=name)
 
     async def __aenter__(self) -> Server:
@@ -308,6 +388,11 @@ class Server:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    @property
+    def reading(self) -> bool:
+        """False while the server is at its in-flight cap (and so not reading its socket)."""
+        return self._chan is not None and not self._chan.paused
 
     async def start(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
@@ -330,119 +415,141 @@ class Server:
         stats = self.stats
         stats["bytes_in"] += len(body[0]) if len(body) == 1 else sum(len(f) for f in body)
         if self._closing:
-            self._reply_error(peer, frame_error_rid(body) if body else 0, "shutting_down",
-                              f"{self.name} is shutting down")
+            self._answer_error(peer, frame_error_rid(body) if body else 0, "shutting_down",
+                               f"{self.name} is shutting down")
             return
         try:
             msg = decode(body, self.limits)
         except ProtocolError as exc:
             stats["errors"] += 1
             self.log.warning("bad_message", peer=peer.hex(), code=exc.code, error=str(exc))
-            if body:
-                self._reply_error(peer, frame_error_rid(body), exc.code, str(exc))
+            self._answer_error(peer, frame_error_rid(body) if body else 0, exc.code, str(exc))
             return
         stats["requests"] += 1
         handler = self.handlers.get(msg.kind)
         if handler is None:
             stats["errors"] += 1
-            self._reply_error(peer, msg.rid, "unknown_op", f"{self.name} does not serve {msg.kind.value!r}; "
-                              f"serves {sorted(k.value for k in self.handlers)}")
+            self._answer_error(peer, msg.rid, "unknown_op", f"{self.name} does not serve {msg.kind.value!r}; "
+                               f"serves {sorted(k.value for k in self.handlers)}")
             return
+        chan = self._chan
+        assert chan is not None
         coro = self._dispatch(handler, msg, peer)
         if not self.eager:
-            self._track(self._chan.loop.create_task(coro))  # type: ignore[union-attr]
+            self._track(chan.loop.create_task(coro))
             return
-        # Start the handler right here: most handlers finish without suspending, and a Task per
-        # request costs more than the rest of the request (~5-10 us, bench/transport.py). One that
-        # suspends continues in a Task of its own.
-        ctx = contextvars.copy_context()  # what create_task would give it
-        if _EAGER_TASKS:
-            # Python 3.12+: a real eager task. Its first step runs inside the Task, so a handler
-            # may start a timeout (asyncio.wait_for/timeout need a current task from 3.12 on)
-            # before it first suspends.
-            task = asyncio.Task(coro, loop=self._chan.loop, context=ctx, eager_start=True)  # type: ignore[union-attr]
-            if not task.done():
-                self._track(task)
-            return
-        try:
-            first = ctx.run(coro.send, None)
-        except StopIteration:
-            return
-        self._track(self._chan.loop.create_task(_Resume(coro, first), context=ctx))  # type: ignore[union-attr]
+        # Start the handler right here: most finish without suspending (module eager).
+        task = start_eager(coro, chan.loop)
+        if task is not None:
+            self._track(task)
 
     def _track(self, task: asyncio.Task) -> None:
         self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        task.add_done_callback(self._untrack)
+        chan = self._chan
+        if len(self._inflight) >= self.max_inflight and chan is not None and not chan.paused and not self._closing:
+            self.stats["paused"] += 1
+            self.log.info("inflight_cap_reached", inflight=len(self._inflight), cap=self.max_inflight)
+            chan.pause()
 
-    def _reply_error(self, peer: bytes, rid: int, code: str, text: str) -> None:
-        # Called from the reader callback, which cannot await: the reply goes out at once when
-        # there is room (the usual case), else from a task like any other reply.
+    def _untrack(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        chan = self._chan
+        if chan is not None and chan.paused and len(self._inflight) < self.max_inflight:
+            chan.resume()
+
+    def _answer_error(self, peer: bytes, rid: int, code: str, text: str) -> None:
+        """Answer ``rid`` with an error, from the reader callback (which cannot await): at once
+        when there is room (the usual case), else from a task like any other reply."""
+        if rid == 0:  # one-way (or unreadable rid): never answered (module docstring)
+            self.stats["unanswered_one_way_errors"] += 1
+            return
         chan = self._chan
         assert chan is not None
         if not chan._waiting:
             frames = [peer, *encode(Error(code=code, message=text), self.frame_bytes, rid=rid, sender=self.name)]
             try:
-                chan._send_now(frames, False)
+                chan.send_now(frames, False)
+                self.stats["replies"] += 1
                 return
             except zmq.Again:
                 pass
             except (zmq.ZMQError, PeerLost) as exc:  # EHOSTUNREACH: the peer left meanwhile
                 self.log.info("error_reply_unroutable", code=code, error=str(exc))
                 return
-        self._track(chan.loop.create_task(self._send_error(peer, rid, code, text)))
+        self._track(chan.loop.create_task(self._reply(peer, rid, Error(code=code, message=text))))
 
     async def _dispatch(self, handler: Handler, msg: Message, peer: bytes) -> None:
         try:
             reply = await handler(msg, peer)
         except RequestError as exc:
             self.stats["errors"] += 1
-            await self._send_error(peer, msg.rid, exc.code, str(exc))
-            return
+            reply = Error(code=exc.code, message=str(exc))
         except asyncio.CancelledError:
             if self._closing and self._chan is not None:
                 # close() cancels handlers still running after its grace period: tell the sender
                 # now instead of leaving it to wait out its request timeout.
-                self._reply_error(peer, msg.rid, "shutting_down",
-                                  f"{self.name} shut down before answering {msg.kind.value!r}")
+                self._answer_error(peer, msg.rid, "shutting_down",
+                                   f"{self.name} shut down before answering {msg.kind.value!r}")
             raise
         except Exception as exc:  # a handler bug must not kill the server; the sender hears of it
             self.stats["errors"] += 1
             self.log.exception("handler_failed", kind=msg.kind.value)
-            await self._send_error(peer, msg.rid, "internal", f"{exc.__class__.__name__}: {exc}")
+            reply = Error(code="internal", message=f"{exc.__class__.__name__}: {exc}")
+        if reply is None:
             return
-        if reply is not None and msg.rid != 0:  # rid 0: a one-way message, nobody waits for a reply
-            await self._send(peer, reply, False, rid=msg.rid, sender=self.name)
+        if msg.rid == 0:  # one-way: nobody waits for a reply
+            if isinstance(reply, Error):
+                self.stats["unanswered_one_way_errors"] += 1
+            if isinstance(reply, Reply):
+                _notify(reply, True)
+            return
+        await self._reply(peer, msg.rid, reply)
 
-    async def send(self, peer: bytes, msg: Message, track: bool = False) -> zmq.MessageTracker | None:
-        """Send ``msg`` to the client with routing id ``peer`` (zero-copy; see module docstring)."""
-        return await self._send(peer, msg, track)
-
-    async def _send(self, peer: bytes, msg: Message, track: bool, rid: int | None = None,
-                    sender: str | None = None) -> zmq.MessageTracker | None:
-        if self._chan is None:
-            raise EndpointClosed(f"{self.name} is not started")
-        frames = encode(msg, self.frame_bytes, rid=rid, sender=sender)
-        if len(frames) > 1:
-            self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
+    async def _reply(self, peer: bytes, rid: int, reply: Message | Reply) -> None:
+        """Send a handler's reply (the only way anything leaves a server)."""
+        tracked = reply if isinstance(reply, Reply) else None
+        msg = reply.message if tracked is not None else reply
+        tracker = None
         try:
-            return await self._chan.send([peer, *frames], track)
+            chan = self._chan
+            if chan is None:
+                raise EndpointClosed(f"{self.name} is closed")
+            frames = encode(msg, self.frame_bytes, rid=rid, sender=self.name)
+            if len(frames) > 1:
+                self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
+            tracker = await chan.send([peer, *frames], tracked is not None)
+            self.stats["replies"] += 1
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:  # the peer disconnected before its reply was ready
-                self.log.info("reply_unroutable", kind=msg.kind.value)
-                return None
-            raise
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.log.info("reply_unroutable", kind=msg.kind.value)  # the peer left before its reply
+        except (PeerLost, EndpointClosed) as exc:
+            self.log.info("reply_not_sent", kind=msg.kind.value, error=str(exc))
+        finally:
+            if tracked is not None and (tracker is None or tracker.done):
+                _notify(tracked, tracker is not None)
+        if tracked is not None and tracker is not None and not tracker.done:
+            chan = self._chan
+            assert chan is not None
+            self._track(chan.loop.create_task(self._await_sent(tracker, tracked)))
 
-    async def _send_error(self, peer: bytes, rid: int, code: str, text: str) -> None:
+    async def _await_sent(self, tracker: zmq.MessageTracker, reply: Reply) -> None:
+        sent = False
         try:
-            await self._send(peer, Error(code=code, message=text), False, rid=rid, sender=self.name)
-        except EndpointClosed:
-            pass
+            await wait_sent(tracker, reply.timeout_s)
+            sent = True
+        except RequestTimeout:
+            self.log.warning("reply_send_stuck", kind=reply.message.kind.value, waited_s=reply.timeout_s)
+        finally:
+            _notify(reply, sent)
 
     async def close(self, grace_s: float = 2.0) -> None:
         """Refuse new requests, let in-flight handlers finish for up to ``grace_s``, then close."""
         if self._chan is None:
             return
         self._closing = True
+        self._chan.resume()  # requests held back by the in-flight cap now get shutting_down at once
         if self._inflight:
             _, pending = await asyncio.wait(set(self._inflight), timeout=grace_s)
             for t in pending:
@@ -453,20 +560,30 @@ class Server:
         self._chan = None
 
 
-class Client:
-    """A DEALER endpoint to one server; ``request()`` matches replies to requests by ``rid``."""
+def _notify(reply: Reply, sent: bool) -> None:
+    try:
+        reply.on_sent(sent)
+    except Exception:
+        log.exception("on_sent_failed", kind=reply.message.kind.value)
 
-    _ids = itertools.count(1)
+
+class Client:
+    """A DEALER endpoint to one server; ``request()`` matches replies to requests by ``rid``.
+
+    ``close()`` fails the requests still pending with :class:`EndpointClosed`; ``fail_pending``
+    fails them with any error (the node layer uses it when it declares the peer lost). High-water
+    marks as for :class:`Server`.
+    """
 
     def __init__(self, address: str, *, name: str = "client", limits: Limits = DEFAULT_LIMITS,
                  frame_bytes: int = DEFAULT_FRAME_BYTES, timeout_s: float = 30.0,
-                 ctx: zmq.Context | None = None, hwm: int = HWM) -> None:
+                 ctx: zmq.Context | None = None, hwm: int | None = None) -> None:
         self.address = address
         self.name = name
         self.limits = limits
         self.frame_bytes = frame_bytes
         self.timeout_s = timeout_s
-        self.hwm = hwm
+        self.hwm = (SEND_HWM, hwm_for(limits, frame_bytes)) if hwm is None else (hwm, hwm)
         self._ctx = ctx or context()
         self._chan: _Channel | None = None
         self._pending: dict[int, asyncio.Future[Message]] = {}
@@ -567,4 +684,4 @@ class Client:
         self._chan = None
 
 
-__all__ = ["Client", "Server", "Handler", "context", "tune_malloc", "wait_sent", "PeerLost"]
+__all__ = ["Client", "Server", "Handler", "Reply", "context", "hwm_for", "tune_malloc", "wait_sent", "PeerLost"]

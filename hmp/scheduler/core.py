@@ -1,0 +1,374 @@
+"""The scheduler's sans-IO core: membership, liveness, stop rules, the work cursor and the run report.
+
+No sockets, no asyncio, no clock of its own: the daemon shell (:mod:`hmp.nodes.scheduler`) decodes
+a request, calls the method named after it with ``now`` (``time.monotonic()``), turns the returned
+decision into the reply, and hands the events the call produced (:meth:`SchedulerCore.take_events`)
+to whoever cares (logs, the placement loop, the shell's own asyncio events). Tests drive it with
+scripted events and clocks.
+
+Events in (methods), decisions out (return values):
+
+* ``join(sender, role, address, pid, now)`` -> :class:`Admitted` (the welcome's ``info``),
+  :class:`Held` (a worker before every shard has joined: the shell waits for :class:`ShardsReady`,
+  then calls ``admit(sender, generation, now)``; only the newest held join of a worker is admitted,
+  older ones are refused), or :class:`Refused` (the job is over).
+* ``heartbeat(sender, now)`` -> None (ack) or :class:`Refused` (the job is over: shut down).
+* ``report(sender, metrics, done, now)`` -> :class:`Assignment` (batch size, data share, stop).
+* ``work(sender, count, now)`` -> :class:`WorkRange`: the next examples of the current epoch,
+  first come first served (count 0: the epochs are used up, or the job is stopping).
+* ``leave(sender, reason, now)``; ``tick(now)`` (the liveness and join-deadline rules, called
+  every half heartbeat interval); ``request_stop(reason, now)`` (an outside stop rule, e.g. the
+  pipeline's epochs are done); ``fail(reason)``; ``interrupt()``; ``end()``.
+
+Events out (:meth:`SchedulerCore.take_events`): :class:`MemberChanged` (every state change;
+``roster`` marks the changes to the set of workers available for work, which the placement loop
+re-plans on), :class:`ShardsReady`, :class:`WorkersDone`, :class:`StopDecided`, :class:`JobFailed`.
+
+Membership (:mod:`hmp.scheduler.membership`) is a state machine: EXPECTED -> (JOINING ->) LIVE;
+LIVE -> SUSPECT after 2 silent heartbeat intervals, back to LIVE when heard from; LIVE, SUSPECT or
+DONE -> LOST after 3; LIVE -> DONE on a worker's final report; any -> LEFT on ``leave``. A lost
+node fails the job, except a worker of a pipeline job (``tolerate_worker_loss``: the placement loop
+re-plans without it, and it comes back LIVE when heard from again). A node still EXPECTED or
+JOINING ``join_timeout_s`` after :meth:`SchedulerCore.start` fails the job.
+
+Stop rules, judged on each progress report: ``[train] target_accuracy`` (the best reported test
+accuracy), ``target_loss`` (the best reported test loss), ``max_seconds`` (since the first worker
+was admitted). Once a stop reason is set every reply tells the workers to stop. When every worker
+is DONE or LEFT (or LOST, in a pipeline job) the core emits :class:`WorkersDone`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hmp.batching.adapter import PolicyAdapter
+from hmp.config import Config, Role
+from hmp.errors import RequestError
+from hmp.report import RunReport
+from hmp.scheduler.membership import (CONNECTED, LOST_AFTER, NOT_JOINED, SUSPECT_AFTER, UP, Change, Member,
+                                      MemberState, Membership)
+
+S = MemberState
+
+
+# ---------------------------------------------------------------- decisions (return values)
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """Welcome the node; ``info`` goes into its ``welcome`` (shards; workers: index, batch size)."""
+
+    info: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A worker's join waits until every shard has joined; then ``admit(sender, generation, now)``."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """The job is over: tell the node to shut down."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """The answer to a progress report."""
+
+    batch_size: int
+    data_share: float = 1.0
+    stop: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkRange:
+    """Examples ``[start, start + count)`` of epoch ``epoch``'s order; count 0: no more work."""
+
+    count: int
+    epoch: int
+    start: int = 0
+
+
+# ---------------------------------------------------------------- events (take_events)
+@dataclasses.dataclass(frozen=True)
+class MemberChanged:
+    """A member changed state. ``roster``: a worker became available for work or stopped being
+    (joined, came back, was lost, or left while the job is not stopping)."""
+
+    change: Change
+    roster: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsReady:
+    """Every PS shard has joined: held worker joins may be admitted now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkersDone:
+    """Every worker is done or gone: the job may finish."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StopDecided:
+    """A stop rule fired; from now on workers are told to stop."""
+
+    reason: str
+    elapsed_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFailed:
+    """The job cannot go on (a node lost or missing, a worker failed, placement failed)."""
+
+    reason: str
+
+
+Event = MemberChanged | ShardsReady | WorkersDone | StopDecided | JobFailed
+
+
+class SchedulerCore:
+    """One job's scheduling state. ``n_train``: examples per epoch (the work cursor's range);
+    ``policy``: the batch policy (default: built from ``[train] policy``); ``sharding``: the chunk
+    placement for the report; ``tolerate_worker_loss`` (default: ``[placement] enabled``): a lost
+    or failed worker does not fail the job."""
+
+    def __init__(self, cfg: Config, n_train: int, policy: PolicyAdapter | None = None, *,
+                 sharding: dict[str, Any] | None = None, tolerate_worker_loss: bool | None = None) -> None:
+        self.cfg = cfg
+        self.n_train = n_train
+        self.interval = cfg.job.heartbeat_interval_s
+        self.membership = Membership((n.id, n.role) for n in cfg.nodes if n.role != Role.SCHEDULER)
+        self.worker_ids = [w.id for w in cfg.workers]
+        self.shard_ids = [s.id for s in cfg.shards]
+        self.policy: PolicyAdapter = policy if policy is not None else PolicyAdapter(cfg)
+        self.tolerate_worker_loss = cfg.placement.enabled if tolerate_worker_loss is None else tolerate_worker_loss
+        self.run_report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
+                                    policy=cfg.train.policy)
+        self.run_report.sharding = dict(sharding or {})
+        self.best_accuracy = 0.0
+        self.best_test_loss = float("inf")
+        self.t0: float | None = None  # the first worker's admission: the run's clock starts
+        self.join_deadline: float | None = None  # set by start()
+        self.stop_reason = ""
+        self.failed: str | None = None
+        self.over = False  # end(): every node is told to shut down
+        self.shards_ready = False
+        self.workers_done = False
+        # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
+        self.work_epoch, self.work_cursor = 0, 0
+        self.work_taken: dict[str, int] = {}
+        self._events: list[Event] = []
+
+    # ---------------------------------------------------------------- outputs
+    def take_events(self) -> list[Event]:
+        """The events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def elapsed(self, now: float) -> float:
+        """Seconds since the first worker was admitted (0 before)."""
+        return 0.0 if self.t0 is None else now - self.t0
+
+    @property
+    def end_reason(self) -> str:
+        return self.failed or self.stop_reason or "job over"
+
+    @property
+    def stopping(self) -> bool:
+        """Workers are told to stop (a stop rule fired or the job failed)."""
+        return bool(self.stop_reason or self.failed)
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {"elapsed_s": self.elapsed(now), "stop_reason": self.stop_reason, "failed": self.failed or "",
+                "members": self.membership.states(), "workers": self.run_report.latest(),
+                "best_accuracy": self.best_accuracy,
+                "best_test_loss": self.best_test_loss if self.best_test_loss != float("inf") else None}
+
+    # ---------------------------------------------------------------- helpers
+    def _move(self, m: Member, new: MemberState, why: str = "") -> None:
+        change = self.membership.transition(m, new, why)
+        if change is None:
+            return
+        roster = m.is_worker and ((new in UP and change.old not in UP) or new == S.LOST
+                                  or (new == S.LEFT and not self.stop_reason))
+        self._events.append(MemberChanged(change, roster))
+
+    def _heard(self, m: Member, now: float) -> None:
+        """Any message from a member: it is alive."""
+        m.last_seen = now
+        if m.state == S.SUSPECT:
+            self._move(m, S.LIVE, "heard from again")
+        elif m.state == S.LOST and m.is_worker and self.tolerate_worker_loss and not self.over:
+            # A pipeline worker that was only stalled (a busy machine) is back: plan with it again.
+            self._move(m, S.LIVE, "back after being lost")
+
+    def check_worker(self, sender: str, kind: str, now: float) -> Member:
+        """The sending member, which must be a worker (reports and work units are theirs alone)."""
+        m = self.membership.get(sender)
+        if not m.is_worker:
+            raise RequestError(f"{kind!r} is for workers; {m.id!r} is a {m.role}", "bad_role")
+        self._heard(m, now)
+        return m
+
+    def _check_workers_done(self) -> None:
+        gone = {S.DONE, S.LEFT} | ({S.LOST} if self.tolerate_worker_loss else set())
+        if not self.workers_done and all(self.membership[w].state in gone for w in self.worker_ids):
+            self.workers_done = True
+            self._events.append(WorkersDone())
+
+    def _shard_addresses(self) -> list[list[str]]:
+        return [[s, self.membership[s].address] for s in self.shard_ids]
+
+    # ---------------------------------------------------------------- control
+    def start(self, now: float) -> None:
+        """The scheduler serves from ``now``: every node must join within ``join_timeout_s``."""
+        self.join_deadline = now + self.cfg.job.join_timeout_s
+
+    def fail(self, reason: str) -> None:
+        """The job fails (the first reason is kept)."""
+        if self.failed is None:
+            self.failed = reason
+            self._events.append(JobFailed(reason))
+
+    def request_stop(self, reason: str, now: float) -> None:
+        """Tell the workers to stop from now on (the first reason is kept)."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+            self._events.append(StopDecided(reason, self.elapsed(now)))
+
+    def interrupt(self) -> None:
+        """The scheduler was stopped (signal, shutdown request) before the job finished."""
+        self.stop_reason = "scheduler stopped before the job finished"
+
+    def end(self) -> None:
+        """The job is over: joins and heartbeats are answered with ``shutdown`` from now on."""
+        self.over = True
+
+    # ---------------------------------------------------------------- events in
+    def join(self, sender: str, role: str, address: str, pid: int, now: float) -> Admitted | Held | Refused:
+        m = self.membership.get(sender)
+        m.last_seen = now
+        if role != m.role:
+            raise RequestError(f"{sender} joined as {role!r}; the config says {m.role!r}", "bad_role")
+        if self.over:
+            return Refused(self.end_reason)
+        m.address, m.pid = address, pid
+        if not m.is_worker:
+            self._move(m, S.LIVE, "joined")
+            if not self.shards_ready and all(self.membership[s].state in UP for s in self.shard_ids):
+                self.shards_ready = True
+                self._events.append(ShardsReady())
+            return Admitted({"shards": self._shard_addresses() if self.shards_ready else []})
+        # A worker is held until every shard has joined (its welcome lists them). It re-sends its
+        # join every few seconds meanwhile; only the newest one is admitted, so that held joins do
+        # not all wake at once (each would re-run the placement loop's membership hook).
+        m.joins += 1
+        self._move(m, S.JOINING, "join" if self.shards_ready else "join held until every shard has joined")
+        if self.shards_ready:
+            return self.admit(sender, m.joins, now)
+        return Held(m.joins)
+
+    def admit(self, sender: str, generation: int, now: float) -> Admitted:
+        """Admit a held worker join (call once every shard has joined); an older join than the
+        worker's newest is refused."""
+        m = self.membership.get(sender)
+        if m.joins != generation:
+            raise RequestError(f"{sender} joined again since this join; the newest join is answered", "bad_request")
+        if not self.shards_ready:
+            raise RequestError(f"{sender}: not every shard has joined yet", "bad_request")
+        if m.state != S.JOINING:  # it left (or was stopped) while its join was held
+            raise RequestError(f"{sender} is {m.state} since this join; not admitted", "bad_request")
+        m.last_seen = now  # it was waiting for this reply, not silent
+        self._move(m, S.LIVE, "admitted")
+        if self.t0 is None:
+            self.t0 = now
+        return Admitted({"shards": self._shard_addresses(), "worker_index": self.worker_ids.index(m.id),
+                         "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)})
+
+    def heartbeat(self, sender: str, now: float) -> Refused | None:
+        m = self.membership.get(sender)
+        self._heard(m, now)
+        return Refused(self.end_reason) if self.over else None
+
+    def report(self, sender: str, metrics: dict[str, float], done: bool, now: float) -> Assignment:
+        m = self.check_worker(sender, "report", now)
+        if done:
+            self._move(m, S.DONE, "final report")  # before any other effect: an illegal one changes nothing
+        t = self.elapsed(now)
+        self.run_report.add_sample(m.id, t, metrics)
+        acc = metrics.get("test_accuracy")
+        if acc is not None:
+            self.best_accuracy = max(self.best_accuracy, acc)
+        test_loss = metrics.get("test_loss")
+        if test_loss is not None:
+            self.best_test_loss = min(self.best_test_loss, test_loss)
+        if done:
+            self.run_report.finish_worker(m.id, metrics)
+            self._check_workers_done()
+            return Assignment(batch_size=0, stop=True)
+        if not self.stop_reason:
+            tc = self.cfg.train
+            if tc.target_accuracy and self.best_accuracy >= tc.target_accuracy:
+                self.request_stop(f"target accuracy {tc.target_accuracy} reached ({self.best_accuracy:.4f})", now)
+            elif tc.target_loss and self.best_test_loss <= tc.target_loss:
+                self.request_stop(f"target test loss {tc.target_loss} reached ({self.best_test_loss:.4f})", now)
+            elif t > tc.max_seconds:
+                self.request_stop(f"time limit of {tc.max_seconds} s reached", now)
+        batch, share = self.policy.update(m.id, metrics, t)
+        return Assignment(batch_size=batch, data_share=share, stop=self.stopping)
+
+    def work(self, sender: str, count: int, now: float) -> WorkRange:
+        """Hand out the next ``count`` examples of the current epoch to whoever asks first."""
+        m = self.check_worker(sender, "work", now)
+        if count < 1:
+            raise RequestError(f"work count must be >= 1, got {count}", "bad_request")
+        if self.work_cursor >= self.n_train:
+            self.work_epoch, self.work_cursor = self.work_epoch + 1, 0
+        if self.work_epoch >= self.cfg.train.epochs or self.stopping:
+            return WorkRange(count=0, epoch=self.work_epoch)
+        start = self.work_cursor
+        count = min(count, self.n_train - start)
+        self.work_cursor += count
+        self.work_taken[m.id] = self.work_taken.get(m.id, 0) + count
+        return WorkRange(count=count, epoch=self.work_epoch, start=start)
+
+    def leave(self, sender: str, reason: str, now: float) -> None:
+        m = self.membership.get(sender)
+        m.last_seen = now
+        if m.is_worker and m.state not in (S.DONE, S.LEFT):
+            self.run_report.finish_worker(m.id, {})  # counted with its last progress report
+        self._move(m, S.LEFT, reason)
+        if reason.startswith("failed:") and not (m.is_worker and self.tolerate_worker_loss):
+            self.fail(f"node {m.id} ({m.role}) {reason}")
+        self.policy.forget(m.id)
+        self._check_workers_done()
+
+    def tick(self, now: float) -> None:
+        """Liveness and the join deadline: silent members become suspect, then lost; a lost node
+        (but a pipeline job's worker) or one that did not join in time fails the job."""
+        for m in self.membership:
+            silent = now - m.last_seen
+            if m.state in CONNECTED and silent > LOST_AFTER * self.interval:
+                self._move(m, S.LOST, f"silent for {silent:.1f} s")
+                if m.is_worker and self.tolerate_worker_loss:
+                    self._check_workers_done()
+                else:
+                    self.fail(f"node {m.id} ({m.role}) lost: silent for {silent:.1f} s")
+            elif m.state == S.LIVE and silent > SUSPECT_AFTER * self.interval:
+                self._move(m, S.SUSPECT, f"silent for {silent:.1f} s")
+            elif m.state in NOT_JOINED and self.join_deadline is not None and now > self.join_deadline:
+                self.fail(f"node {m.id} ({m.role}) did not join within {self.cfg.job.join_timeout_s} s")
+
+    # ---------------------------------------------------------------- the end
+    def finish_report(self, final: dict[str, Any], now: float) -> RunReport:
+        """The run report with its ``final`` section: the final evaluation plus how the run ended.
+        ``best_reported_accuracy`` is what the workers measured on their replicas while training
+        (what the stop rule saw); ``final`` is the PS parameters at the end."""
+        self.run_report.final = {**final, "elapsed_s": self.elapsed(now),
+                                 "stop_reason": self.stop_reason or "epochs done",
+                                 "best_reported_accuracy": self.best_accuracy}
+        return self.run_report

@@ -1,0 +1,394 @@
+"""The scheduler core without sockets or asyncio: scripted joins, heartbeats, reports, leaves and clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from hmp.config import loads
+from hmp.errors import RequestError
+from hmp.scheduler.core import (Admitted, Assignment, Held, JobFailed, MemberChanged, Refused, SchedulerCore,
+                                ShardsReady, StopDecided, WorkersDone, WorkRange)
+from hmp.scheduler.membership import (TRANSITIONS, IllegalTransition, Member, MemberState, Membership)
+
+S = MemberState
+HB = 1.0  # heartbeat interval of the scripted jobs (seconds)
+WORKERS = (("cpu0", "cpu_worker"), ("gpu0", "gpu_worker"))
+
+
+def _cfg(*, target_accuracy=0.0, target_loss=0.0, max_seconds=600.0, epochs=20, join_timeout_s=30.0,
+         placement=False):
+    nodes = [("scheduler", "scheduler"), ("ps0", "ps"), ("ps1", "ps"), *WORKERS]
+    text = f"""
+[job]
+heartbeat_interval_s = {HB}
+join_timeout_s = {join_timeout_s}
+
+[train]
+target_accuracy = {target_accuracy}
+target_loss = {target_loss}
+max_seconds = {max_seconds}
+epochs = {epochs}
+"""
+    for nid, role in nodes:
+        bind = '\nbind = "tcp://127.0.0.1:5555"' if role == "scheduler" else ""
+        text += f'\n[[nodes]]\nid = "{nid}"\nrole = "{role}"{bind}\n'
+    return loads(text, "test.toml")
+
+
+def _core(n_train=100, tolerate=False, **cfg) -> SchedulerCore:
+    core = SchedulerCore(_cfg(**cfg), n_train=n_train, tolerate_worker_loss=tolerate)
+    core.start(0.0)
+    return core
+
+
+def _running(now=0.0, **kw) -> SchedulerCore:
+    """Both shards joined and both workers admitted at ``now``."""
+    core = _core(**kw)
+    for s in ("ps0", "ps1"):
+        core.join(s, "ps", f"tcp://{s}", 1, now)
+    for w, role in WORKERS:
+        assert isinstance(core.join(w, role, f"tcp://{w}", 2, now), Admitted)
+    core.take_events()
+    return core
+
+
+def _changes(events) -> list[tuple[str, S, S, bool]]:
+    return [(e.change.node, e.change.old, e.change.new, e.roster) for e in events if isinstance(e, MemberChanged)]
+
+
+def _state(core: SchedulerCore, node: str) -> S:
+    return core.membership[node].state
+
+
+# ---------------------------------------------------------------- the state machine
+def test_every_state_has_a_row_in_the_transition_table():
+    """The table is complete: every state says where it may go, and nothing may go back to EXPECTED."""
+    assert set(TRANSITIONS) == set(MemberState)
+    assert all(S.EXPECTED not in targets for targets in TRANSITIONS.values())
+
+
+def test_illegal_transitions_are_refused_with_both_states_named():
+    """A move the table does not allow raises IllegalTransition naming the member and both states; nothing changes."""
+    ms = Membership([("cpu0", "cpu_worker")])
+    m = ms["cpu0"]
+    with pytest.raises(IllegalTransition, match=r"cpu0 \(cpu_worker\) cannot go from expected to lost"):
+        ms.transition(m, S.LOST)
+    assert m.state == S.EXPECTED
+    assert ms.transition(m, S.LIVE).new == S.LIVE
+    assert ms.transition(m, S.LIVE) is None  # already there: no change
+    ms.transition(m, S.LEFT)
+    with pytest.raises(IllegalTransition):
+        ms.transition(m, S.DONE)
+    assert isinstance(IllegalTransition(Member("x", "ps"), S.DONE), RequestError)
+
+
+# ---------------------------------------------------------------- joins
+def test_shards_join_live_and_shards_ready_fires_once_all_have():
+    """A shard goes straight to LIVE; ShardsReady is emitted when the last shard joins, and only then."""
+    core = _core()
+    first = core.join("ps0", "ps", "tcp://ps0", 1, 0.0)
+    assert first == Admitted({"shards": []}) and _state(core, "ps0") == S.LIVE
+    assert not any(isinstance(e, ShardsReady) for e in core.take_events())
+    second = core.join("ps1", "ps", "tcp://ps1", 1, 0.1)
+    assert second.info["shards"] == [["ps0", "tcp://ps0"], ["ps1", "tcp://ps1"]]
+    assert sum(isinstance(e, ShardsReady) for e in core.take_events()) == 1
+
+
+def test_worker_join_is_held_until_every_shard_has_joined():
+    """A worker joining before the shards is JOINING (held); once they are in, admit() welcomes it as LIVE."""
+    core = _core()
+    core.join("ps0", "ps", "tcp://ps0", 1, 0.0)
+    held = core.join("cpu0", "cpu_worker", "tcp://cpu0", 2, 0.5)
+    assert isinstance(held, Held) and _state(core, "cpu0") == S.JOINING
+    with pytest.raises(RequestError, match="not every shard"):
+        core.admit("cpu0", held.generation, 0.6)
+    core.join("ps1", "ps", "tcp://ps1", 1, 1.0)
+    welcome = core.admit("cpu0", held.generation, 1.0)
+    assert welcome.info == {"shards": [["ps0", "tcp://ps0"], ["ps1", "tcp://ps1"]], "worker_index": 0,
+                            "num_workers": 2, "batch_size": 32}
+    assert _state(core, "cpu0") == S.LIVE and core.t0 == 1.0
+    assert ("cpu0", S.JOINING, S.LIVE, True) in _changes(core.take_events())
+
+
+def test_only_the_newest_of_a_workers_resent_held_joins_is_answered():
+    """A worker re-sends its join while held: admitting the older join is refused, the newest is welcomed."""
+    core = _core()
+    first = core.join("cpu0", "cpu_worker", "a", 1, 0.0)
+    second = core.join("cpu0", "cpu_worker", "a", 1, 5.0)
+    assert isinstance(first, Held) and isinstance(second, Held) and second.generation > first.generation
+    for s in ("ps0", "ps1"):
+        core.join(s, "ps", f"tcp://{s}", 1, 6.0)
+    with pytest.raises(RequestError, match="newest join") as info:
+        core.admit("cpu0", first.generation, 6.0)
+    assert info.value.code == "bad_request"
+    assert isinstance(core.admit("cpu0", second.generation, 6.0), Admitted)
+
+
+def test_a_held_join_of_a_worker_that_left_meanwhile_is_not_admitted():
+    """A worker that leaves while its join is held is not brought back by the join's late admission."""
+    core = _core()
+    held = core.join("cpu0", "cpu_worker", "a", 1, 0.0)
+    core.leave("cpu0", "stopped", 1.0)
+    for s in ("ps0", "ps1"):
+        core.join(s, "ps", f"tcp://{s}", 1, 2.0)
+    with pytest.raises(RequestError, match="left since this join"):
+        core.admit("cpu0", held.generation, 2.0)
+    assert _state(core, "cpu0") == S.LEFT
+
+
+def test_worker_joining_after_the_shards_is_admitted_at_once():
+    """Once every shard is in, a worker's join is answered with its welcome directly."""
+    core = _running()
+    assert _state(core, "cpu0") == S.LIVE and _state(core, "gpu0") == S.LIVE
+    assert core.membership["gpu0"].address == "tcp://gpu0"
+
+
+def test_join_checks_the_sender_and_its_role():
+    """An unknown sender is refused with unknown_node; a node joining as another role with bad_role."""
+    core = _core()
+    with pytest.raises(RequestError) as info:
+        core.join("nobody", "ps", "a", 1, 0.0)
+    assert info.value.code == "unknown_node"
+    with pytest.raises(RequestError) as info:
+        core.join("ps0", "cpu_worker", "a", 1, 0.0)
+    assert info.value.code == "bad_role" and _state(core, "ps0") == S.EXPECTED
+
+
+def test_after_the_end_joins_and_heartbeats_are_told_to_shut_down():
+    """Once the job is over a join is refused and a heartbeat is answered with the reason to shut down."""
+    core = _running()
+    assert core.heartbeat("ps0", 1.0) is None
+    core.request_stop("target reached", 1.0)
+    core.end()
+    assert core.heartbeat("ps0", 1.1) == Refused("target reached")
+    assert core.join("cpu0", "cpu_worker", "a", 1, 1.2) == Refused("target reached")
+
+
+# ---------------------------------------------------------------- liveness
+def test_a_node_silent_for_two_intervals_is_suspect_and_live_again_when_heard():
+    """Silence past 2 heartbeat intervals makes a member SUSPECT; its next heartbeat makes it LIVE again."""
+    core = _running()
+    core.heartbeat("ps0", 0.0)
+    core.tick(2.0)
+    assert _state(core, "ps0") == S.LIVE
+    core.tick(2.1)
+    assert _state(core, "ps0") == S.SUSPECT and core.failed is None
+    core.heartbeat("ps0", 2.2)
+    assert _state(core, "ps0") == S.LIVE
+    assert [(n, old, new) for n, old, new, _ in _changes(core.take_events()) if n == "ps0"] == [
+        ("ps0", S.LIVE, S.SUSPECT), ("ps0", S.SUSPECT, S.LIVE)]
+
+
+def test_a_node_silent_for_three_intervals_is_lost_and_fails_the_job():
+    """A member silent for more than 3 heartbeat intervals is LOST and the job fails naming it."""
+    core = _running()
+    for t in (1.0, 2.0, 3.0):
+        for n in ("ps0", "cpu0", "gpu0"):
+            core.heartbeat(n, t)
+        core.tick(t)
+    assert core.failed is None
+    core.tick(3.1)
+    assert _state(core, "ps1") == S.LOST
+    assert core.failed == "node ps1 (ps) lost: silent for 3.1 s"
+    assert JobFailed(core.failed) in core.take_events()
+    assert _state(core, "ps0") == S.LIVE
+
+
+def test_a_held_worker_is_not_declared_lost_and_is_live_from_its_admission():
+    """Liveness does not apply while a worker's join is held; on admission its silence counts from then."""
+    core = _core()
+    core.join("cpu0", "cpu_worker", "a", 1, 0.0)
+    for t in (3.5, 5.0):
+        core.join("ps0", "ps", "p0", 1, t)
+        core.tick(t)
+    assert _state(core, "cpu0") == S.JOINING and core.failed is None
+    held = core.join("cpu0", "cpu_worker", "a", 1, 5.0)
+    core.join("ps1", "ps", "p1", 1, 9.0)
+    core.admit("cpu0", held.generation, 9.0)
+    core.tick(10.0)
+    assert _state(core, "cpu0") == S.LIVE
+
+
+def test_a_pipeline_jobs_lost_worker_does_not_fail_the_job_and_may_come_back():
+    """With tolerate_worker_loss a lost worker is a roster change, not a failure; heard again, it is LIVE again."""
+    core = _running(tolerate=True)
+    for n in ("ps0", "ps1", "gpu0"):
+        core.heartbeat(n, 3.0)
+    core.tick(3.5)
+    assert _state(core, "cpu0") == S.LOST and core.failed is None
+    assert ("cpu0", S.LIVE, S.LOST, True) in _changes(core.take_events())
+    core.heartbeat("cpu0", 3.6)
+    assert _state(core, "cpu0") == S.LIVE
+    assert _changes(core.take_events()) == [("cpu0", S.LOST, S.LIVE, True)]
+
+
+def test_a_lost_worker_does_not_come_back_in_a_job_that_does_not_tolerate_it():
+    """Without tolerate_worker_loss a lost worker's late heartbeat leaves it LOST (the job has failed)."""
+    core = _running()
+    core.tick(3.5)
+    core.heartbeat("cpu0", 3.6)
+    assert _state(core, "cpu0") == S.LOST and core.failed
+
+
+def test_a_node_that_does_not_join_in_time_fails_the_job():
+    """A member still EXPECTED (or JOINING) after join_timeout_s since start() fails the job, not before."""
+    core = _core(join_timeout_s=10.0)
+    for n, role in (("ps0", "ps"), ("cpu0", "cpu_worker"), ("gpu0", "gpu_worker")):
+        core.join(n, role, "a", 1, 0.0)
+    for t in (2.0, 4.0, 6.0, 8.0, 10.0):
+        for n in ("ps0",):
+            core.heartbeat(n, t)
+        core.tick(t)
+    assert core.failed is None
+    core.tick(10.1)
+    assert core.failed == "node ps1 (ps) did not join within 10.0 s"
+
+
+def test_a_worker_still_held_at_the_join_deadline_fails_the_job():
+    """A worker whose join is still held (JOINING) when the join deadline passes fails the job too."""
+    core = _core(join_timeout_s=10.0)
+    core.join("ps0", "ps", "a", 1, 0.0)
+    core.leave("ps1", "stopped", 0.0)  # it will never be ready
+    for n, role in WORKERS:
+        core.join(n, role, "a", 1, 0.0)
+    core.heartbeat("ps0", 9.0)
+    core.tick(10.1)
+    assert _state(core, "cpu0") == S.JOINING
+    assert core.failed == "node cpu0 (cpu_worker) did not join within 10.0 s"
+
+
+# ---------------------------------------------------------------- reports, done, leave
+def test_non_workers_cannot_report_or_take_work():
+    """A shard's report or work request is refused with bad_role and leaves no trace in the report."""
+    core = _running()
+    with pytest.raises(RequestError) as info:
+        core.report("ps0", {"samples": 5.0}, True, 1.0)
+    assert info.value.code == "bad_role"
+    with pytest.raises(RequestError) as info:
+        core.work("ps0", 16, 1.0)
+    assert info.value.code == "bad_role"
+    assert "ps0" not in core.run_report.workers and _state(core, "ps0") == S.LIVE
+
+
+def test_a_worker_reporting_done_is_done_and_the_job_ends_when_all_are():
+    """A final report makes the worker DONE with stop; WorkersDone comes once every worker is done or left."""
+    core = _running()
+    a = core.report("cpu0", {"updates": 7.0}, True, 1.0)
+    assert a == Assignment(batch_size=0, stop=True) and _state(core, "cpu0") == S.DONE
+    assert core.run_report.workers["cpu0"]["final"] == {"updates": 7.0}
+    assert not any(isinstance(e, WorkersDone) for e in core.take_events())
+    core.leave("gpu0", "done", 2.0)
+    assert _state(core, "gpu0") == S.LEFT and core.workers_done
+    assert sum(isinstance(e, WorkersDone) for e in core.take_events()) == 1
+
+
+def test_a_done_worker_must_still_heartbeat_until_it_leaves():
+    """A DONE worker silent for 3 intervals is LOST and fails the job, like any connected node."""
+    core = _running()
+    core.report("cpu0", {}, True, 0.0)
+    for n in ("ps0", "ps1", "gpu0"):
+        core.heartbeat(n, 3.0)
+    core.tick(3.5)
+    assert _state(core, "cpu0") == S.LOST and core.failed.startswith("node cpu0 (cpu_worker) lost")
+
+
+def test_leave_records_the_worker_and_a_failed_leave_fails_the_job():
+    """A worker leaving without a final report is finished in the report; a 'failed:' reason fails the job."""
+    core = _running()
+    core.report("cpu0", {"updates": 3.0}, False, 0.5)
+    core.leave("cpu0", "failed: CUDA error", 1.0)
+    assert _state(core, "cpu0") == S.LEFT
+    assert core.run_report.workers["cpu0"]["final"] == {}
+    assert core.failed == "node cpu0 (cpu_worker) failed: CUDA error"
+    assert ("cpu0", S.LIVE, S.LEFT, True) in _changes(core.take_events())
+
+
+def test_a_pipeline_jobs_worker_leaving_is_a_roster_change_only_while_not_stopping():
+    """tolerate_worker_loss: a failed worker's leave does not fail the job; after a stop a leave is no roster change."""
+    core = _running(tolerate=True)
+    core.leave("cpu0", "failed: boom", 1.0)
+    assert core.failed is None
+    assert _changes(core.take_events()) == [("cpu0", S.LIVE, S.LEFT, True)]
+    core.request_stop("epochs done", 1.5)
+    core.leave("gpu0", "done", 2.0)
+    assert _changes(core.take_events()) == [("gpu0", S.LIVE, S.LEFT, False)]
+
+
+def test_a_final_report_from_a_worker_that_left_is_refused():
+    """The state machine refuses LEFT -> DONE: the late final report gets an error and changes nothing."""
+    core = _running()
+    core.leave("cpu0", "done", 1.0)
+    with pytest.raises(IllegalTransition, match="from left to done"):
+        core.report("cpu0", {"updates": 1.0}, True, 1.1)
+    assert _state(core, "cpu0") == S.LEFT and core.run_report.workers["cpu0"]["series"] == []
+
+
+# ---------------------------------------------------------------- stop rules
+def test_target_accuracy_stops_the_workers():
+    """A reported test accuracy at the target sets the stop reason; that reply and every later one say stop."""
+    core = _running(target_accuracy=0.9)
+    assert core.report("cpu0", {"test_accuracy": 0.85}, False, 1.0).stop is False
+    a = core.report("cpu0", {"test_accuracy": 0.91}, False, 2.0)
+    assert a.stop is True and core.stop_reason == "target accuracy 0.9 reached (0.9100)"
+    assert StopDecided(core.stop_reason, 2.0) in core.take_events()
+    assert core.report("gpu0", {}, False, 2.5).stop is True
+    assert core.work("gpu0", 8, 2.5) == WorkRange(count=0, epoch=0)
+
+
+def test_target_loss_stops_the_workers():
+    """The best reported test loss at or under the target stops the workers."""
+    core = _running(target_loss=0.2)
+    assert core.report("cpu0", {"test_loss": 0.3}, False, 1.0).stop is False
+    assert core.report("cpu0", {"test_loss": 0.2}, False, 2.0).stop is True
+    assert core.stop_reason.startswith("target test loss 0.2 reached")
+
+
+def test_max_seconds_counts_from_the_first_admission():
+    """The time limit is judged on reports, against the time since the first worker was admitted."""
+    core = _running(now=100.0, max_seconds=10.0)
+    assert core.report("cpu0", {}, False, 110.0).stop is False
+    assert core.report("cpu0", {}, False, 110.5).stop is True
+    assert core.stop_reason == "time limit of 10.0 s reached"
+
+
+def test_the_first_stop_reason_is_kept():
+    """An outside stop (the pipeline's epochs done) before the rules fire is the reason; rules do not override it."""
+    core = _running(target_accuracy=0.5)
+    core.request_stop("epochs done (40 steps)", 1.0)
+    assert core.report("cpu0", {"test_accuracy": 0.99}, False, 2.0).stop is True
+    assert core.stop_reason == "epochs done (40 steps)"
+    assert core.finish_report({"test_accuracy": 0.98}, 3.0).final["stop_reason"] == "epochs done (40 steps)"
+
+
+def test_a_failed_job_tells_reporting_workers_to_stop():
+    """Once the job has failed, progress reports are answered with stop."""
+    core = _running()
+    core.fail("node ps1 (ps) lost")
+    assert core.report("cpu0", {}, False, 1.0).stop is True
+
+
+def test_batch_sizes_come_from_the_batch_policy():
+    """Reports are answered with the policy's batch size (static: the configured one)."""
+    core = _running()
+    assert core.report("gpu0", {"samples": 10.0}, False, 1.0) == Assignment(batch_size=32, data_share=0.5)
+
+
+# ---------------------------------------------------------------- the work cursor
+def test_the_work_cursor_hands_out_each_epoch_once_then_nothing():
+    """Work ranges cover each epoch's examples in order, first come first served, then count 0 after the last epoch."""
+    core = _running(n_train=10, epochs=2)
+    got = [core.work(w, 4, 1.0) for w in ("cpu0", "gpu0", "cpu0", "gpu0", "cpu0", "gpu0", "cpu0")]
+    assert got == [WorkRange(4, 0, 0), WorkRange(4, 0, 4), WorkRange(2, 0, 8),
+                   WorkRange(4, 1, 0), WorkRange(4, 1, 4), WorkRange(2, 1, 8), WorkRange(0, 2)]
+    assert core.work_taken == {"cpu0": 10, "gpu0": 10}
+    with pytest.raises(RequestError, match="work count must be >= 1"):
+        core.work("cpu0", 0, 1.0)
+
+
+def test_status_shows_every_members_state():
+    """The status lists each member's state by its enum value, plus the run's progress."""
+    core = _running()
+    core.report("cpu0", {"test_accuracy": 0.5}, False, 1.0)
+    st = core.status(2.0)
+    assert st["members"] == {"ps0": "live", "ps1": "live", "cpu0": "live", "gpu0": "live"}
+    assert st["best_accuracy"] == 0.5 and st["best_test_loss"] is None and st["elapsed_s"] == 2.0

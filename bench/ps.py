@@ -571,7 +571,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
-    ap.add_argument("--blocks", type=int, default=40, help="(a) alternating cycles: one timed block per peer each")
+    ap.add_argument("--blocks", type=int, default=30, help="(a) alternating cycles: one timed block per peer each")
     ap.add_argument("--rounds", type=int, default=4, help="(a) timed rounds per block (warm + rounds <= 60)")
     ap.add_argument("--warm", type=int, default=1, help="(a) untimed rounds before each block")
     ap.add_argument("--repeats", type=int, default=2, help="(b) runs per hmp mode (median over them)")

@@ -111,8 +111,7 @@ class LocalCluster:
                     nid = waits[t]
                     if t.result() != 0:
                         raise JobFailed(f"daemon {nid} exited with code {t.result()}", nid, self.log_tail(nid))
-                if progress is not None and self.procs["scheduler" if "scheduler" in self.procs else
-                                                       self.cfg.scheduler.id].returncode is None:
+                if progress is not None and self.procs[self.cfg.scheduler.id].returncode is None:
                     st = await self.status(timeout_s=min(poll_s, 2.0))
                     if st:
                         progress(st)

@@ -70,7 +70,8 @@ async def test_killed_daemon_stops_the_job(tmp_path):
         cluster.kill("ps1")
         with pytest.raises(JobFailed) as info:
             await cluster.train(timeout_s=60)
-        assert info.value.node in {"ps1", "cpu0", "gpu0", "scheduler"}
+        # The launcher sees ps1's own exit (killed: -9) before any peer notices it is gone.
+        assert info.value.node == "ps1" and "code -9" in str(info.value), info.value
     assert all(p.returncode is not None for p in cluster.procs.values())
 
 

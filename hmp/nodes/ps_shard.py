@@ -152,12 +152,10 @@ class PSShardNode(Node):
         every = self.cfg.ps.checkpoint_every
         if (every and self.core.updates_applied - self._last_checkpoint >= every
                 and (self._checkpointing is None or self._checkpointing.done())):
-            self._checkpointing = asyncio.create_task(self.checkpoint(), name="checkpoint")
-            self._checkpointing.add_done_callback(self._checkpoint_written)
-
-    def _checkpoint_written(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.fail(f"checkpoint failed: {task.exception()!r}")
+            try:  # a background task of the node: a failed write fails the node
+                self._checkpointing = self.spawn(self.checkpoint(), name="checkpoint")
+            except RuntimeError:  # main() not running (yet, or any more): the final checkpoint covers it
+                pass
 
     async def checkpoint(self) -> None:
         """Write a checkpoint (temp file, fsync, rename) without blocking the event loop.
@@ -180,12 +178,10 @@ class PSShardNode(Node):
     async def main(self) -> None:
         if await self.join() is None:
             return
-        hb = asyncio.create_task(self.heartbeat_loop(), name="heartbeat")
+        self.start_heartbeat()
         try:
             await self.stopping.wait()
         finally:
-            hb.cancel()
-            await asyncio.gather(hb, return_exceptions=True)
             self.step = self.core.version
             if self._checkpointing is not None:  # one write at a time: the final one goes last
                 await asyncio.gather(self._checkpointing, return_exceptions=True)

@@ -107,7 +107,11 @@ def example_input(model: nn.Module, batch_size: int, seed: int = 0) -> torch.Ten
 
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``n`` torch intra-op threads (None: leave the setting), restoring it afterwards."""
+    """Run with ``n`` torch intra-op threads (None: leave the setting), restoring it afterwards.
+
+    The setting is process-wide: this is for standalone use (benchmarks, tests). The runtime passes
+    None: a daemon sets its thread count once at start (``hmp.nodes.main``) and profiles and plans on
+    a worker thread, where changing it would race the daemon's other torch work."""
     before = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(n)

@@ -153,7 +153,7 @@ class RLPlanner:
     penalty_margin: float = 1.0
     warm_start: bool = True
     polish_budget: int = 4000
-    threads: int | None = 1
+    threads: int | None = None  # None: the process's own setting (daemons set it once, at start)
     name: str = "rl"
 
     def plan(self, problem: PlacementProblem) -> Plan:

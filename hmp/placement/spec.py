@@ -271,18 +271,16 @@ def worker_counts(cfg: Config) -> dict[str, int]:
 def spec_table(cfg: Config, samples: float = 1.0) -> dict[str, Any]:
     """``[placement]`` as the mapping :func:`parse_spec` validates and the profiler reads: the table's
     planner keys plus the demand the job gives elsewhere (``train.batch_size``; ``samples``: epochs
-    times the training set, known once the data is loaded). Profiling uses the workers' torch
-    threads when they all agree."""
+    times the training set, known once the data is loaded). It sets no ``num_threads``: the
+    scheduler profiles with its own process's thread count (``[[nodes]] threads``, like the
+    workers' by default), set once at start."""
     pl = cfg.placement
-    threads = {n.threads for n in cfg.workers}
     table: dict[str, Any] = {
         "resources": [dict(r) if isinstance(r, dict) else r for r in pl.resources],
         "bandwidth_bytes_per_s": pl.bandwidth_bytes_per_s, "message_overhead_s": pl.message_overhead_s,
         "min_throughput": pl.min_throughput, "micro_batches": pl.micro_batches, "profile_repeats": pl.profile_repeats,
         "batch_size": cfg.train.batch_size, "samples": samples,
     }
-    if len(threads) == 1:
-        table["num_threads"] = threads.pop()
     return table
 
 

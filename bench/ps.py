@@ -574,7 +574,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=30, help="(a) alternating cycles: one timed block per peer each")
     ap.add_argument("--rounds", type=int, default=4, help="(a) timed rounds per block (warm + rounds <= 60)")
     ap.add_argument("--warm", type=int, default=1, help="(a) untimed rounds before each block")
-    ap.add_argument("--repeats", type=int, default=2, help="(b) runs per hmp mode (median over them)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="(b) runs per hmp mode (median over them); each costs a cluster start (~15 s)")
     ap.add_argument("--ddp-runs", type=int, default=2, help="(b) DDP runs between two hmp runs")
     ap.add_argument("--modes", default="sync,async", help="(b) hmp consistency modes to run (sync,async,ssp)")
     ap.add_argument("--target", type=float, default=0.95, help="(b) test accuracy to reach")
@@ -668,6 +669,10 @@ def report(res: dict[str, Any]) -> None:
         print(f"ratio_vs_ddp = {r if r is not None else 'n/a'} (best mode {d['best_mode']}; target >= 1.0; "
               f"ratio of medians {d.get('ratio_vs_ddp_of_medians', 'n/a')}); sync from when both train: "
               f"{d.get('ratio_sync_vs_ddp_both_training', 'n/a')}")
+        if d["repeats"] < 8:
+            print(f"NOTE: {d['repeats']} hmp run(s) per mode. One run's time to target varies by tens of percent "
+                  f"from run to run (all times above), so ratio_vs_ddp from so few runs is indicative only; "
+                  f"`--skip push --repeats 8` or more for a figure to compare")
     print(cpu_line(res.get("cpu_during_run"), res["load_avg_before"], res["load_avg_after"], res["wall_s"]))
 
 

@@ -562,6 +562,7 @@ def bench_digits(repeats: int, modes: list[str], tmp: Path, target: float, eval_
                 res[name][k] = med([x[k] for x in rs])
             res[f"ratio_{name}_vs_ddp"] = round(quantile(per_run[name], 0.5), 3)
             res[f"ratio_{name}_vs_ddp_spread"] = spread(per_run[name])
+            res[f"ratio_{name}_vs_ddp_runs"] = [round(x, 3) for x in per_run[name]]
     return res
 
 

@@ -5,7 +5,7 @@ Peers, each a sender process and a receiver process started once for the whole r
     preallocated buffer, each acknowledged (8 bytes) before the next is sent. The sender writes
     as libzmq does, non-blocking: it hands the kernel all that is left and waits for room; one
     blocking ``sendall`` of 64 MiB (``--tcp-send sendall``, this benchmark's method before) was
-    ~25% slower on the 2-core VM this was written on, which made the raw peer look worse than hmp;
+    25-40% slower in an A/B on the 2-core VM this was written on (a handicap for the raw peer);
   * raw TCP, streaming: the same socket pair sending ``--stream`` messages back to back with one
     acknowledgement for all of them (the limit of a loopback stream);
   * hmp: a 64 MiB float32 tensor as a ``Tensors`` request answered with ``Ack`` (acknowledged),
@@ -20,8 +20,8 @@ to the next on a shared VM, so a few long runs per peer (as before) compared dif
 the machine. Now every peer is warmed up, then the run is ``--rounds`` cycles; a cycle is
 ``--repeats`` raw/hmp acknowledged pairs interleaved message by message (raw, hmp, hmp, raw, ...),
 ``--stream-pairs`` raw/hmp pairs of streams, then one block of each other peer, orders reversed every other
-cycle. Each pair of adjacent blocks gives one ratio; a headline ratio is the median of them, with
-its min, quartiles and max in ``*_spread``. Per-peer GB/s are medians over the peer's blocks.
+cycle. Each pair of adjacent blocks gives one ratio (the other comparisons: one per cycle); a ratio
+is the median of them, with its min, quartiles and max in ``*_spread``. Per-peer GB/s are medians over the peer's blocks.
 
     python bench/transport.py [--json] [--quick] [--rounds N] [--repeats N] [--stream N] [--stream-pairs N]
                               [--megabytes M] [--frame-bytes B] [--small N] [--tcp-send S] [--pin]

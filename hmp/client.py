@@ -13,7 +13,7 @@ parameters (the one necessary copy: receive frame -> parameter storage).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ class PSClient:
         if cfg is not None:
             kw.update(limits=Limits.of(cfg.limits), frame_bytes=cfg.limits.frame_bytes)
         self.shards = [(sid, Client(addr, **kw), tuple(sharded.assignment[i])) for i, (sid, addr) in enumerate(shards)]
+        self._all_shards = list(self.shards)
         self._params = sharded.param_views()
         self._grads = sharded.grad_views()
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
@@ -56,6 +57,26 @@ class PSClient:
                     device: str = "cpu") -> PSClient:
         return cls(job.sharded_model(cfg, device), shards, name=name, cfg=cfg,
                    timeout_s=cfg.limits.request_timeout_s)
+
+    def restrict(self, keys: Iterable[int]) -> None:
+        """Pull and push only the chunks ``keys`` from now on (a pipeline stage's own chunks)."""
+        mine = set(keys)
+        self.shards = [(sid, c, tuple(k for k in ks if k in mine)) for sid, c, ks in self._all_shards]
+
+    @property
+    def shard_addresses(self) -> list[tuple[str, str]]:
+        """``[(shard id, address)]`` of every shard of the model, restricted or not."""
+        return [(sid, c.address) for sid, c, _ in self._all_shards]
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The chunk keys this client pulls and pushes."""
+        return tuple(k for _, _, ks in self.shards for k in ks)
+
+    def use_gradients(self, grads: dict[int, torch.Tensor]) -> None:
+        """Push these chunk views (``{key: 1-D tensor}``, like :meth:`ShardedModel.grad_views`) instead
+        of the model's own flat gradient buffer."""
+        self._grads = grads
 
     @property
     def model(self) -> torch.nn.Module:

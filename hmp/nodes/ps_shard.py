@@ -31,9 +31,8 @@ class PSShardNode(Node):
         sharded = job.sharded_model(cfg)
         index = [s.id for s in cfg.shards].index(node_id)
         initial = sharded.initial_chunks(index)
-        self.core = ShardCore(node_id, initial, *chunk_optimizer_of(cfg), cfg.train.consistency, cfg.train.staleness)
-        self.core.live_workers = {w.id for w in cfg.workers}
-        self.core.clock = {w.id: 0 for w in cfg.workers}
+        self.core = ShardCore(node_id, initial, *chunk_optimizer_of(cfg), cfg.train.consistency, cfg.train.staleness,
+                              workers=[w.id for w in cfg.workers])
         ckdir = cfg.ps.checkpoint_dir or str(cfg.report_dir / "checkpoints")
         self.checkpoint_path = Path(ckdir) / f"{node_id}.pt"
         if resume:

@@ -63,7 +63,6 @@ class StagePSClient(PSClient):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._all_keys = list(self.shards)
         layout, flat = self.sharded.layout, self.sharded.flat
         # The second buffer costs one more copy of the gradients' memory, no copying: each push
         # sends the chunks of the buffer it was made from, zero-copy.
@@ -76,7 +75,8 @@ class StagePSClient(PSClient):
     def use_buffer(self, i: int, names: Iterable[str] | None = None) -> None:
         """Make gradient buffer ``i`` the one pushes send and backward accumulates into (for the
         parameters ``names``, default all), its stage chunks zeroed."""
-        self.buffer, self._grads = i, self._grad_sets[i]
+        self.buffer = i
+        self.use_gradients(self._grad_sets[i])
         self.zero_grads()
         views = self._param_grads[i]
         for n in (self._named if names is None else names):
@@ -87,22 +87,20 @@ class StagePSClient(PSClient):
         for views in self._grad_sets:
             for g in views.values():
                 g.zero_()
-        self.buffer, self._grads = 0, self._grad_sets[0]
+        self.buffer = 0
+        self.use_gradients(self._grad_sets[0])
         views = self._param_grads[0]
         for n, p in self._named.items():
             p.grad = views[n]
 
-    def restrict(self, keys: Iterable[int]) -> None:
-        mine = set(keys)
-        self.shards = [(sid, c, tuple(k for k in ks if k in mine)) for sid, c, ks in self._all_keys]
-
     @property
-    def keys(self) -> tuple[int, ...]:
-        return tuple(k for _, _, ks in self.shards for k in ks)
+    def grads(self) -> dict[int, torch.Tensor]:
+        """The chunk views of the gradient buffer in use (what the next push sends)."""
+        return self._grad_sets[self.buffer]
 
     def zero_grads(self) -> None:
         """Zero the gradient chunks of this stage only (the other layers' never receive any here)."""
-        grads = self._grads
+        grads = self._grad_sets[self.buffer]
         for k in self.keys:
             grads[k].zero_()
 
@@ -372,7 +370,7 @@ class StageWorkerNode(Node):
             if keys:
                 # No graph is saved now: new values that arrived can be written.
                 self.write_done_pushes()
-                grads = self.ps._grads
+                grads = self.ps.grads
                 with torch.no_grad():
                     for k in keys:
                         grads[k].div_(n)  # n per-micro-batch mean gradients were summed
@@ -462,7 +460,7 @@ class StageWorkerNode(Node):
     async def evaluate(self) -> dict[str, float]:
         """Test accuracy of the whole model as the shards hold it now (a separate replica)."""
         if self.eval_ps is None:
-            shards = [(sid, c.address) for sid, c, _ in self.ps._all_keys]
+            shards = self.ps.shard_addresses
             model = await asyncio.to_thread(job.sharded_model, self.cfg)
             self.eval_ps = PSClient(model, shards, name=f"{self.id}-eval", cfg=self.cfg,
                                     timeout_s=self.cfg.limits.request_timeout_s)

@@ -42,7 +42,7 @@ class ShardCore:
     """State of one PS shard. ``version`` counts optimizer steps applied (the shard's clock)."""
 
     def __init__(self, shard_id: str, chunks: dict[int, torch.Tensor], optimizer: str, hyper: dict[str, Any],
-                 consistency: str = Consistency.ASYNC, staleness: int = 0) -> None:
+                 consistency: str = Consistency.ASYNC, staleness: int = 0, workers: Iterable[str] = ()) -> None:
         if consistency not in tuple(Consistency):
             raise ValueError(f"consistency must be async, sync or ssp, got {consistency!r}")
         self.shard_id = shard_id
@@ -61,6 +61,8 @@ class ShardCore:
         self.live_workers: set[str] = set()
         self.round_members: set[str] = set()
         self.clock: dict[str, int] = {}
+        for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
+            self.add_worker(w)
 
     # ---------------------------------------------------------------- validation
     def check(self, keys: Sequence[int], tensors: Sequence[torch.Tensor], what: str) -> None:

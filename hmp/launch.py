@@ -16,6 +16,7 @@ import uvloop
 
 from hmp.cluster import JobFailed, LocalCluster
 from hmp import job
+from hmp import log as hmp_log
 from hmp.errors import ConfigError
 
 
@@ -55,6 +56,7 @@ class ProgressBar:
 
 async def _launch(args: argparse.Namespace) -> int:
     cfg = job.with_env(job.load(args.config))
+    hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
     bar = ProgressBar(cfg.train.epochs)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()

@@ -9,9 +9,11 @@ pair may stray, and the relative IQR how tight the median is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,3 +142,13 @@ def cpu_line(cpu: dict[str, Any] | None, load_before: Any, load_after: Any, wall
         line += (f"\nWARNING: other work kept {c['others_busy_cpus']} CPUs busy during this run: the machine was "
                  f"not quiet, and ratios measured under contention differ from quiet ones")
     return line
+
+
+def guard(conn: Any, fn: Any) -> None:
+    """Run ``fn`` in a benchmark's child process; an exception is sent to the driver over ``conn``."""
+    try:
+        fn()
+    except BaseException:  # the driver must hear of it instead of waiting for a timeout
+        with contextlib.suppress(OSError, BrokenPipeError):
+            conn.send(("error", traceback.format_exc()))
+        raise

@@ -45,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import (CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
+from _stats import (guard, CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
                     ratios, spread, summary)
 
 MiB = 1 << 20
@@ -190,15 +189,6 @@ class Peer:
                 p.join()
 
 
-def _guard(conn: Any, fn: Any) -> None:
-    try:
-        fn()
-    except BaseException:  # the driver must hear of it instead of waiting for a timeout
-        with contextlib.suppress(OSError, BrokenPipeError):
-            conn.send(("error", traceback.format_exc()))
-        raise
-
-
 class Daemons:
     """Real hmp daemons (``python -m hmp.nodes.main ROLE``) for one config; stopped on close."""
 
@@ -279,7 +269,7 @@ def _ps_worker(cfg_path: str, name: str, shards: list[tuple[str, str]], conn: An
 
         uvloop.run(main())
 
-    _guard(conn, body)
+    guard(conn, body)
 
 
 def _gloo_worker(rank: int, port: int, numel: int, conn: Any, barrier: Any) -> None:
@@ -308,7 +298,7 @@ def _gloo_worker(rank: int, port: int, numel: int, conn: Any, barrier: Any) -> N
             conn.send(time.perf_counter() - t0)
         dist.destroy_process_group()
 
-    _guard(conn, body)
+    guard(conn, body)
 
 
 def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path) -> dict[str, Any]:
@@ -449,7 +439,7 @@ def _ddp_worker(rank: int, port: int, stop_at: Any, conn: Any, barrier: Any) -> 
                        "eval_s": eval_s})
         dist.destroy_process_group()
 
-    _guard(conn, body)
+    guard(conn, body)
 
 
 class DDPPeer(Peer):

@@ -46,7 +46,6 @@ import socket
 import struct
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import (CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
+from _stats import (guard, CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
                     ratios, spread, summary)
 
 from hmp.messages import Ack, Heartbeat, Kind, Shutdown, Tensors  # noqa: E402
@@ -71,15 +70,6 @@ REPLY_TIMEOUT_S = 300.0
 def _pin(cpu: int | None) -> None:
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
-
-
-def _guard(conn: Any, fn: Any) -> None:
-    try:
-        fn()
-    except BaseException:  # the driver must hear of it instead of waiting for a timeout
-        with contextlib.suppress(OSError, BrokenPipeError):
-            conn.send(("error", traceback.format_exc()))
-        raise
 
 
 # ----------------------------------------------------------------------------- raw TCP peer
@@ -190,7 +180,7 @@ def _tcp_sender(port: int, nbytes: int, how: str, cpu: int | None, conn: Any) ->
             conn.send(times)
         sock.close()
 
-    _guard(conn, body)
+    guard(conn, body)
 
 
 # ----------------------------------------------------------------------------- hmp peer
@@ -295,7 +285,7 @@ def _hmp_sender(address: str, nbytes: int, frame_bytes: int, tune: bool, cpu: in
 
         uvloop.run(main())
 
-    _guard(conn, body)
+    guard(conn, body)
 
 
 # ----------------------------------------------------------------------------- driver

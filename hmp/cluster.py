@@ -24,7 +24,7 @@ from typing import Any
 from hmp import job
 from hmp.config import Config, Role
 from hmp.errors import HmpError
-from hmp.messages import Status
+from hmp.messages import Shutdown, Status
 from hmp.transport.endpoint import Client
 
 START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
@@ -129,6 +129,13 @@ class LocalCluster:
             timeout_s = self.cfg.train.max_seconds + self.cfg.job.join_timeout_s + 60
         await self.wait(timeout_s, progress)
         return json.loads((self.cfg.report_dir / "report.json").read_text())
+
+    async def finish(self, reason: str = "", timeout_s: float = 5.0) -> None:
+        """Ask the scheduler to end the job now as if a stop rule had fired: the workers stop, the
+        final evaluation runs and the report is written (``train()`` then returns it)."""
+        await self.status(timeout_s=timeout_s)  # opens the one launcher socket
+        assert self._status_client is not None
+        await self._status_client.request(Shutdown(reason=reason, finish=True), timeout_s=timeout_s)
 
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one daemon (tests use it to crash a node)."""

@@ -39,6 +39,7 @@ class Kind(enum.Enum):
     STATUS = "status"
     WORK = "work"
     STAGE_ASSIGN = "stage_assign"
+    RING_ASSIGN = "ring_assign"
     # data
     INIT = "init"
     PUSH = "push"
@@ -47,6 +48,7 @@ class Kind(enum.Enum):
     TENSORS = "tensors"
     ACTIVATIONS = "activations"
     GRADIENTS = "gradients"
+    RING = "ring"
 
     @property
     def is_control(self) -> bool:
@@ -55,7 +57,7 @@ class Kind(enum.Enum):
 
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
-                       Kind.STAGE_ASSIGN})
+                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -169,9 +171,13 @@ class Leave(Message):
 
 @message(Kind.SHUTDOWN)
 class Shutdown(Message):
-    """Tells the receiver to stop gracefully; as a reply, tells the requester the job is over."""
+    """Tells the receiver to stop gracefully; as a reply, tells the requester the job is over.
+
+    To the scheduler with ``finish`` set: end the job early but as if a stop rule had fired (workers
+    stop, the final evaluation runs, the report is written) instead of interrupting it."""
 
     reason: str = ""
+    finish: bool = False
 
 
 @message(Kind.ACK)
@@ -250,6 +256,20 @@ class StageAssign(Message):
     steps: int = 0
 
 
+@message(Kind.RING_ASSIGN)
+class RingAssign(Message):
+    """Scheduler -> worker (``consistency = "allreduce"``): the ring it belongs to from now on.
+
+    Generation ``ring`` of the job's ring has the workers ``members`` (ids, in rank order) at
+    ``addresses``; the receiver is member ``rank``. Sent when the ring is re-formed after a member
+    was lost; a worker's first ring comes in its welcome. Answered by :class:`Ack`."""
+
+    ring: int
+    members: tuple[str, ...]
+    addresses: tuple[str, ...]
+    rank: int
+
+
 # ----------------------------------------------------------------------------- data kinds
 
 @message(Kind.INIT)
@@ -318,6 +338,19 @@ class Gradients(Message):
     step: int
     micro_batch: int
     grads: Tensor
+
+
+@message(Kind.RING)
+class RingPiece(Message):
+    """Ring member -> next member (docs/collective.md): part ``part`` of ring step ``step`` of
+    collective operation ``op`` in ring generation ``ring``. A request: the reply (:class:`Ack`)
+    says the receiver is done reading ``values`` (it may be a shared-memory view)."""
+
+    ring: int
+    op: int
+    step: int
+    part: int
+    values: Tensor
 
 
 # ----------------------------------------------------------------------------- schema

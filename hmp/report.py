@@ -20,6 +20,7 @@ class RunReport:
     final: dict[str, Any] = dataclasses.field(default_factory=dict)
     sharding: dict[str, Any] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] = dataclasses.field(default_factory=dict)  # [placement] jobs: plans, stage rates
+    rings: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # allreduce jobs: each ring generation
 
     def _worker(self, worker_id: str) -> dict[str, Any]:
         return self.workers.setdefault(worker_id, {"series": [], "final": {}})
@@ -50,7 +51,8 @@ class RunReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
-                "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "workers": self.summary(),
+                "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "rings": self.rings,
+                "workers": self.summary(),
                 "series": {w: d["series"] for w, d in self.workers.items()}}
 
 

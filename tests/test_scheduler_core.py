@@ -6,7 +6,7 @@ import pytest
 
 from hmp.config import loads
 from hmp.errors import RequestError
-from hmp.scheduler.core import (Admitted, Assignment, Held, JobFailed, MemberChanged, Refused, SchedulerCore,
+from hmp.scheduler.core import (Admitted, Assignment, Held, JobFailed, MemberChanged, Refused, RingFormed, SchedulerCore,
                                 ShardsReady, StopDecided, WorkersDone, WorkRange)
 from hmp.scheduler.membership import (TRANSITIONS, IllegalTransition, Member, MemberState, Membership)
 
@@ -392,3 +392,67 @@ def test_status_shows_every_members_state():
     st = core.status(2.0)
     assert st["members"] == {"ps0": "live", "ps1": "live", "cpu0": "live", "gpu0": "live"}
     assert st["best_accuracy"] == 0.5 and st["best_test_loss"] is None and st["elapsed_s"] == 2.0
+
+
+# ---------------------------------------------------------------- allreduce: the workers' ring
+def _ring_core() -> SchedulerCore:
+    text = f"""
+[job]
+heartbeat_interval_s = {HB}
+join_timeout_s = 30
+
+[train]
+consistency = "allreduce"
+"""
+    for nid, role in [("scheduler", "scheduler"), ("w0", "cpu_worker"), ("w1", "cpu_worker"), ("w2", "gpu_worker")]:
+        bind = '\nbind = "tcp://127.0.0.1:5555"' if role == "scheduler" else ""
+        text += f'\n[[nodes]]\nid = "{nid}"\nrole = "{role}"{bind}\n'
+    core = SchedulerCore(loads(text, "ring.toml"), n_train=100)
+    core.start(0.0)
+    return core
+
+
+def _rings(events) -> list[tuple[int, tuple[str, ...], tuple[str, ...]]]:
+    return [(e.generation, e.members, e.addresses) for e in events if isinstance(e, RingFormed)]
+
+
+def test_the_ring_forms_once_every_worker_has_joined_and_welcomes_carry_it():
+    """Worker joins are held until the last worker joins; then generation 1 forms over every worker in config
+    order, and each welcome names the ring, the worker's rank and the ring's size."""
+    core = _ring_core()
+    assert isinstance(core.join("w1", "cpu_worker", "tcp://w1", 1, 0.0), Held)
+    assert isinstance(core.join("w0", "cpu_worker", "tcp://w0", 1, 0.1), Held)
+    assert _rings(core.take_events()) == []
+    last = core.join("w2", "gpu_worker", "tcp://w2", 1, 0.2)
+    assert _rings(core.take_events()) == [(1, ("w0", "w1", "w2"), ("tcp://w0", "tcp://w1", "tcp://w2"))]
+    assert isinstance(last, Admitted) and last.info["ring"]["rank"] == 2
+    first = core.admit("w1", 1, 0.3)
+    assert first.info["ring"] == {"generation": 1, "members": ["w0", "w1", "w2"],
+                                  "addresses": ["tcp://w0", "tcp://w1", "tcp://w2"], "rank": 1}
+    assert (first.info["worker_index"], first.info["num_workers"], first.info["shards"]) == (1, 3, [])
+
+
+def test_a_lost_ring_member_re_forms_the_ring_from_the_survivors_and_is_refused_if_it_comes_back():
+    """Silence for 3 intervals loses a member without failing the job; the survivors form the next generation
+    in their old order; the lost member, heard again, is told to shut down, and may not join again."""
+    core = _ring_core()
+    for w in ("w0", "w1", "w2"):
+        core.join(w, "cpu_worker" if w != "w2" else "gpu_worker", f"tcp://{w}", 1, 0.0)
+    for w in ("w0", "w1"):
+        core.admit(w, 1, 0.0)
+    core.take_events()
+    for t in (1.0, 2.0, 3.0):
+        core.heartbeat("w0", t)
+        core.heartbeat("w2", t)
+    core.tick(3.5)
+    assert _state(core, "w1") == S.LOST and not core.failed
+    assert _rings(core.take_events()) == [(2, ("w0", "w2"), ("tcp://w0", "tcp://w2"))]
+    assert isinstance(core.heartbeat("w1", 3.6), Refused) and _state(core, "w1") == S.LOST
+    assert isinstance(core.join("w1", "cpu_worker", "tcp://w1", 1, 3.7), Refused)
+    # A survivor that fails leaves the last one alone in generation 3; the job ends when it is done.
+    core.leave("w2", "failed: RingBroken: boom", 4.0)
+    assert _rings(core.take_events()) == [(3, ("w0",), ("tcp://w0",))] and not core.failed
+    core.report("w0", {"test_accuracy": 0.9, "samples": 10}, True, 5.0)
+    assert any(isinstance(e, WorkersDone) for e in core.take_events())
+    assert core.final_from_reports() == {"test_accuracy": 0.9, "evaluated_by": "w0"}
+    assert [r["generation"] for r in core.run_report.rings] == [1, 2, 3]

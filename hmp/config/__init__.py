@@ -7,11 +7,12 @@ judge (types, ranges, roles, addresses) and names the file, the key and what was
 them all. The README's reference table comes from :mod:`hmp.config.reference`.
 """
 
-from hmp.config.schema import (ENV_OVERRIDES, SECTIONS, WORKER_ROLES, BatchPolicyKind, Config, Consistency, DataConfig,
+from hmp.config.schema import (ENV_OVERRIDES, SECTIONS, WORKER_ROLES, BatchPolicyKind, CollectiveConfig, Config,
+                               Consistency, DataConfig,
                                JobConfig, LimitsConfig, ModelConfig, NodeConfig, OptimizerConfig, PlacementConfig,
                                PSConfig, Role, SweepConfig, TrainConfig, env_overrides, load, loads, validate)
 
 __all__ = ["ENV_OVERRIDES", "SECTIONS", "WORKER_ROLES", "BatchPolicyKind", "Config",
-           "Consistency", "DataConfig", "JobConfig", "LimitsConfig", "ModelConfig", "NodeConfig", "OptimizerConfig",
+           "CollectiveConfig", "Consistency", "DataConfig", "JobConfig", "LimitsConfig", "ModelConfig", "NodeConfig", "OptimizerConfig",
            "PlacementConfig", "PSConfig", "Role", "SweepConfig", "TrainConfig", "env_overrides", "load", "loads",
            "validate"]

@@ -41,6 +41,8 @@ class Consistency(enum.StrEnum):
     ASYNC = "async"
     SYNC = "sync"
     SSP = "ssp"
+    #: no PS: workers sum their gradients in a ring (docs/collective.md)
+    ALLREDUCE = "allreduce"
 
 
 class BatchPolicyKind(enum.StrEnum):
@@ -135,6 +137,19 @@ class PSConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CollectiveConfig:
+    bucket_bytes: int = _field(25 << 20, "allreduce: gradients are summed in buckets of about this many bytes, in "
+                                         "reverse parameter order, each as soon as backward has produced it")
+    piece_bytes: int = _field(1 << 20, "allreduce: a bucket travels the ring in pieces of at most this many bytes "
+                                       "(pipelining granularity)")
+    small_bytes: int = _field(256 << 10, "allreduce: buckets whose bytes times (workers - 1) are at most this use "
+                                         "the one-step algorithm (every worker sends to every other) instead of the "
+                                         "ring")
+    timeout_s: float = _field(0.0, "allreduce: a collective waiting this long for a peer fails (0: four heartbeat "
+                                   "intervals, one more than the scheduler takes to declare a silent node lost)")
+
+
+@dataclasses.dataclass(frozen=True)
 class LimitsConfig:
     frame_bytes: int = _field(1 << 26, "tensors are cut into frames of at most this many bytes; a tensor in one "
                                        "frame is received as a view, a split one is copied together once")
@@ -209,6 +224,7 @@ class Config:
     sweep: SweepConfig
     nodes: tuple[NodeConfig, ...]
     placement: PlacementConfig = PlacementConfig()
+    collective: CollectiveConfig = CollectiveConfig()
 
     def node(self, node_id: str) -> NodeConfig:
         for n in self.nodes:
@@ -246,7 +262,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                              "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
-                             "sweep": SweepConfig, "placement": PlacementConfig}
+                             "sweep": SweepConfig, "placement": PlacementConfig, "collective": CollectiveConfig}
 
 
 def _type_name(t: Any) -> str:
@@ -348,8 +364,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(p, f"{k}.device", f"'cpu' or 'cuda[:N]', got {n.device!r}")
     if (count := len(cfg.by_role(Role.SCHEDULER))) != 1:
         raise ConfigError(p, "nodes", f"exactly one node with role 'scheduler', found {count}")
-    if not cfg.shards:
-        raise ConfigError(p, "nodes", "at least one node with role 'ps'")
+    allreduce = cfg.train.consistency == Consistency.ALLREDUCE
+    if not cfg.shards and not allreduce:
+        raise ConfigError(p, "nodes", "at least one node with role 'ps' (or train.consistency = \"allreduce\")")
+    if cfg.shards and allreduce:
+        raise ConfigError(p, "nodes", "no node with role 'ps' when train.consistency = \"allreduce\" (workers sum "
+                                      f"their gradients among themselves), found {[n.id for n in cfg.shards]}")
     if not cfg.workers:
         raise ConfigError(p, "nodes", "at least one node with role 'cpu_worker' or 'gpu_worker'")
     sched = cfg.scheduler
@@ -387,6 +407,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(p, "sweep.optimizer", f"one of ['sgd', 'adam', 'adamw'], got {cfg.sweep.optimizer!r}")
         if t.consistency != Consistency.ASYNC:
             raise ConfigError(p, "train.consistency", "\"async\" for a sweep job (workers push parameter deltas)")
+    if allreduce:
+        _validate_allreduce(cfg)
     if cfg.ps.chunk_bytes < 64:
         raise ConfigError(p, "ps.chunk_bytes", "an integer >= 64")
     if cfg.limits.frame_bytes < 64:
@@ -431,6 +453,30 @@ def _validate_ranges(cfg: Config) -> None:
                 if not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
                     raise ConfigError(p, f"nodes[{i}].{key}", f"tcp://HOST:PORT with a port in 0-65535 or *, "
                                                               f"got {address!r}")
+
+
+def _validate_allreduce(cfg: Config) -> None:
+    """``consistency = "allreduce"``: what the ring can run, and the [collective] numbers."""
+    p, c, t = cfg.path, cfg.collective, cfg.train
+    if cfg.sweep.members:
+        raise ConfigError(p, "train.consistency", "not \"allreduce\" for a [sweep] job (workers push parameter deltas)")
+    if t.policy != BatchPolicyKind.STATIC:
+        raise ConfigError(p, "train.policy", "\"static\" when train.consistency = \"allreduce\" (the ring steps "
+                                             f"every worker in lockstep), got {t.policy!r}")
+    for i, n in enumerate(cfg.nodes):
+        if n.hogwild_threads > 1:
+            raise ConfigError(p, f"nodes[{i}].hogwild_threads", "1 when train.consistency = \"allreduce\"")
+        if n.role in WORKER_ROLES and n.batch_size not in (0, t.batch_size):
+            raise ConfigError(p, f"nodes[{i}].batch_size", f"unset or train.batch_size ({t.batch_size}) when "
+                                                          "train.consistency = \"allreduce\" (every worker takes an "
+                                                          f"equal slice of the global batch), got {n.batch_size}")
+    for key in ("bucket_bytes", "piece_bytes"):
+        if getattr(c, key) < 64:
+            raise ConfigError(p, f"collective.{key}", f"an integer >= 64, got {getattr(c, key)!r}")
+    if c.small_bytes < 0:
+        raise ConfigError(p, "collective.small_bytes", f"an integer >= 0, got {c.small_bytes!r}")
+    if c.timeout_s < 0:
+        raise ConfigError(p, "collective.timeout_s", f"a number >= 0 (0: from the heartbeat), got {c.timeout_s!r}")
 
 
 def _validate_placement(cfg: Config) -> None:

@@ -19,13 +19,14 @@ from typing import Any
 from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
-from hmp.messages import (Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, Shutdown, StageAssign, Welcome,
-                          Work)
+from hmp.errors import HmpError
+from hmp.messages import (Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign, Shutdown, StageAssign,
+                          Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import write_report
-from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, SchedulerCore, ShardsReady,
-                                StopDecided, WorkersDone)
+from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, RingFormed, SchedulerCore,
+                                ShardsReady, StopDecided, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, MemberState
 from hmp.transport.endpoint import Client
 
@@ -35,12 +36,15 @@ class SchedulerNode(Node):
 
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
-        sharding = job.sharded_model(cfg).report().as_dict()
+        sharding = job.sharded_model(cfg).report().as_dict() if cfg.shards else {}  # allreduce: no PS
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         self.dataset = job.dataset(cfg)
         self.core = SchedulerCore(cfg, n_train=len(self.dataset.y_train), sharding=sharding)
         self.log.info("chunk_placement", **{k: v for k, v in sharding.items() if not isinstance(v, list)})
-        self.shards_ready = asyncio.Event()
+        # Set once worker joins are answered: every shard has joined (PS jobs) or the ring is formed.
+        self.admitting = asyncio.Event()
+        if self.core.admitting:
+            self.admitting.set()
         self.workers_done = asyncio.Event()
         self.job_failed = asyncio.Event()
         # [placement] jobs: the loop that plans the pipeline and re-plans when workers come and go.
@@ -61,7 +65,13 @@ class SchedulerNode(Node):
                 if ev.roster and self.placement is not None:
                     self.placement.on_membership(ev.change.node, ev.change.new)
             elif isinstance(ev, ShardsReady):
-                self.shards_ready.set()
+                self.admitting.set()
+            elif isinstance(ev, RingFormed):
+                self.log.info("ring_formed", generation=ev.generation, members=list(ev.members))
+                if ev.generation == 1:
+                    self.admitting.set()  # the welcomes carry it
+                else:
+                    self.spawn(self.tell_ring(ev), name=f"ring-{ev.generation}")
             elif isinstance(ev, WorkersDone):
                 self.workers_done.set()
             elif isinstance(ev, StopDecided):
@@ -94,7 +104,7 @@ class SchedulerNode(Node):
         finally:
             self._dispatch_events()
         if isinstance(decision, Held):
-            await asyncio.wait_for(self.shards_ready.wait(), self.cfg.job.join_timeout_s)
+            await asyncio.wait_for(self.admitting.wait(), self.cfg.job.join_timeout_s)
             try:
                 decision = self.core.admit(msg.sender, decision.generation, time.monotonic())
             finally:
@@ -132,6 +142,18 @@ class SchedulerNode(Node):
             self._dispatch_events()
         return Work(count=w.count, epoch=w.epoch, start=w.start)
 
+    async def on_shutdown(self, msg: Shutdown, peer: bytes) -> Message:
+        """``finish``: end the job as a stop rule would (final evaluation, report); else interrupt it."""
+        if not msg.finish:
+            return await super().on_shutdown(msg, peer)
+        self.log.info("finish_requested", by=msg.sender, reason=msg.reason)
+        try:
+            self.core.request_stop(f"finish requested by {msg.sender or 'a client'}: {msg.reason}".rstrip(": "),
+                                   time.monotonic())
+        finally:
+            self._dispatch_events()
+        return Ack(detail="finishing")
+
     async def on_leave(self, msg: Leave, peer: bytes) -> Message:
         try:
             self.core.leave(msg.sender, msg.reason, time.monotonic())
@@ -158,8 +180,20 @@ class SchedulerNode(Node):
             await c.connect()
         return c
 
-    async def tell_worker(self, worker_id: str, msg: StageAssign) -> None:
+    async def tell_worker(self, worker_id: str, msg: StageAssign | RingAssign) -> None:
         await (await self.worker_client(worker_id)).request(msg, timeout_s=10)
+
+    async def tell_ring(self, ring: RingFormed) -> None:
+        """Tell every member of a re-formed ring its place (all at once). A member that does not
+        answer is left to the liveness rules (it will be lost, and the ring re-formed again)."""
+        async def tell(rank: int, worker_id: str) -> None:
+            msg = RingAssign(ring=ring.generation, members=ring.members, addresses=ring.addresses, rank=rank)
+            try:
+                await self.tell_worker(worker_id, msg)
+            except HmpError as exc:
+                self.log.warning("ring_assign_failed", worker=worker_id, generation=ring.generation, error=str(exc))
+
+        await asyncio.gather(*(tell(r, w) for r, w in enumerate(ring.members)))
 
     # ---------------------------------------------------------------- loops
     async def monitor(self) -> None:
@@ -213,6 +247,21 @@ class SchedulerNode(Node):
 
     async def finish(self) -> None:
         """Evaluate the final parameters, write the report."""
+        if self.cfg.shards:
+            final = await self.evaluate_shards()
+        else:
+            # allreduce: no PS holds the parameters; every replica is the same, and the ring's rank 0
+            # evaluated its own at the end, in its final report.
+            final = self.core.final_from_reports()
+        if self.placement is not None:
+            self.core.run_report.pipeline = self.placement.report()
+        report = self.core.finish_report(final, time.monotonic())
+        paths = await self.in_thread(write_report, report, self.cfg.report_dir)
+        self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
+                      report=str(paths[0]))
+
+    async def evaluate_shards(self) -> dict[str, Any]:
+        """The test metrics of the parameters the shards hold now."""
         try:
             shards = [(s.id, self.core.membership[s.id].address) for s in self.cfg.shards]
             # Building the model and the report's plot are slow: on the compute thread, so that the
@@ -220,16 +269,10 @@ class SchedulerNode(Node):
             client = await self.in_thread(lambda: PSClient.from_config(self.cfg, shards, name=self.id))
             async with client as ps:
                 await ps.pull()
-                final = await self.in_thread(ps.evaluate, self.dataset)
+                return await self.in_thread(ps.evaluate, self.dataset)
         except Exception as exc:
             self.log.exception("final_evaluation_failed")
-            final = {"error": f"{exc.__class__.__name__}: {exc}"}
-        if self.placement is not None:
-            self.core.run_report.pipeline = self.placement.report()
-        report = self.core.finish_report(final, time.monotonic())
-        paths = await self.in_thread(write_report, report, self.cfg.report_dir)
-        self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
-                      report=str(paths[0]))
+            return {"error": f"{exc.__class__.__name__}: {exc}"}
 
     async def drain(self) -> None:
         """Let every connected node hear 'shutdown' through its heartbeat, then stop (bounded)."""

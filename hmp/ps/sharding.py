@@ -31,9 +31,10 @@ class ShardedModel:
 
     @classmethod
     def of(cls, model: nn.Module, layout: FlatLayout, num_shards: int, array: Any = None) -> ShardedModel:
-        """Bind ``model``'s parameters to ``layout``'s flat buffers and assign the chunks to shards."""
+        """Bind ``model``'s parameters to ``layout``'s flat buffers and assign the chunks to shards
+        (none: an allreduce job's replica, no PS)."""
         flat = layout.bind(model)
-        return cls(model, layout, flat, assign_chunks(layout.chunks, num_shards), array)
+        return cls(model, layout, flat, assign_chunks(layout.chunks, num_shards) if num_shards else {}, array)
 
     @property
     def chunks(self) -> dict[int, Chunk]:

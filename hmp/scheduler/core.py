@@ -43,7 +43,7 @@ import dataclasses
 from typing import Any
 
 from hmp.batching.adapter import PolicyAdapter
-from hmp.config import Config, Role
+from hmp.config import Config, Consistency, Role
 from hmp.errors import RequestError
 from hmp.report import RunReport
 from hmp.scheduler.membership import (CONNECTED, LOST_AFTER, NOT_JOINED, SUSPECT_AFTER, UP, Change, Member,
@@ -108,6 +108,18 @@ class ShardsReady:
 
 
 @dataclasses.dataclass(frozen=True)
+class RingFormed:
+    """(``consistency = "allreduce"``) The workers' ring, generation ``generation``: ``members`` (ids)
+    at ``addresses``, in rank order. Generation 1 forms once every worker has joined (held worker
+    joins may be admitted now: their welcome carries it); each later one re-forms it from the
+    survivors after a member was lost or failed, and the shell tells each member (``ring_assign``)."""
+
+    generation: int
+    members: tuple[str, ...]
+    addresses: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkersDone:
     """Every worker is done or gone: the job may finish."""
 
@@ -127,7 +139,7 @@ class JobFailed:
     reason: str
 
 
-Event = MemberChanged | ShardsReady | WorkersDone | StopDecided | JobFailed
+Event = MemberChanged | ShardsReady | RingFormed | WorkersDone | StopDecided | JobFailed
 
 
 class SchedulerCore:
@@ -145,7 +157,10 @@ class SchedulerCore:
         self.worker_ids = [w.id for w in cfg.workers]
         self.shard_ids = [s.id for s in cfg.shards]
         self.policy: PolicyAdapter = policy if policy is not None else PolicyAdapter(cfg)
-        self.tolerate_worker_loss = cfg.placement.enabled if tolerate_worker_loss is None else tolerate_worker_loss
+        self.allreduce = cfg.train.consistency == Consistency.ALLREDUCE
+        if tolerate_worker_loss is None:
+            tolerate_worker_loss = cfg.placement.enabled or self.allreduce
+        self.tolerate_worker_loss = tolerate_worker_loss
         self.run_report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
                                     policy=cfg.train.policy)
         self.run_report.sharding = dict(sharding or {})
@@ -156,8 +171,11 @@ class SchedulerCore:
         self.stop_reason = ""
         self.failed: str | None = None
         self.over = False  # end(): every node is told to shut down
-        self.shards_ready = False
+        self.shards_ready = not self.shard_ids  # an allreduce job has none to wait for
         self.workers_done = False
+        # allreduce: the workers' ring (generation 0: not formed yet, every worker has to join first)
+        self.ring_generation = 0
+        self.ring_members: tuple[str, ...] = ()
         # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
         self.work_epoch, self.work_cursor = 0, 0
         self.work_taken: dict[str, int] = {}
@@ -202,7 +220,7 @@ class SchedulerCore:
         m.last_seen = now
         if m.state == S.SUSPECT:
             self._move(m, S.LIVE, "heard from again")
-        elif m.state == S.LOST and m.is_worker and self.tolerate_worker_loss and not self.over:
+        elif m.state == S.LOST and m.is_worker and self.tolerate_worker_loss and not self.over and not self.allreduce:
             # A pipeline worker that was only stalled (a busy machine) is back: plan with it again.
             self._move(m, S.LIVE, "back after being lost")
 
@@ -266,11 +284,44 @@ class SchedulerCore:
         # A worker is held until every shard has joined (its welcome lists them). It re-sends its
         # join every few seconds meanwhile; only the newest one is admitted, so that held joins do
         # not all wake at once (each would re-run the placement loop's membership hook).
+        if self.allreduce and self.ring_generation and sender not in self.ring_members:
+            return Refused(f"the ring of this allreduce job is formed without {sender} (generation "
+                           f"{self.ring_generation}); joining a running ring is not supported")
         m.joins += 1
-        self._move(m, S.JOINING, "join" if self.shards_ready else "join held until every shard has joined")
-        if self.shards_ready:
+        why = "join" if self.admitting else ("join held until every worker has joined (the ring forms then)"
+                                             if self.allreduce else "join held until every shard has joined")
+        self._move(m, S.JOINING, why)
+        if self.allreduce and not self.ring_generation and all(
+                self.membership[w].state in (S.JOINING, *UP) for w in self.worker_ids):
+            self._form_ring(self.worker_ids, "every worker has joined")
+        if self.admitting:
             return self.admit(sender, m.joins, now)
         return Held(m.joins)
+
+    @property
+    def admitting(self) -> bool:
+        """Worker joins are answered (not held): every shard has joined, or (allreduce) the ring is formed."""
+        return self.ring_generation > 0 if self.allreduce else self.shards_ready
+
+    def _form_ring(self, members: list[str] | tuple[str, ...], why: str) -> None:
+        self.ring_generation += 1
+        self.ring_members = tuple(members)
+        self.run_report.rings.append({"generation": self.ring_generation, "members": list(members), "why": why})
+        self._events.append(RingFormed(self.ring_generation, self.ring_members,
+                                       tuple(self.membership[w].address for w in self.ring_members)))
+
+    def _reform_ring(self, lost: str, why: str) -> None:
+        """A ring member is gone: the survivors (members still up) form the next generation."""
+        if not self.allreduce or lost not in self.ring_members or self.over:
+            return
+        survivors = [w for w in self.ring_members if w != lost and self.membership[w].state in UP]
+        if survivors:
+            self._form_ring(survivors, f"{lost} {why}")
+
+    def _ring_info(self, worker: str) -> dict[str, Any]:
+        return {"generation": self.ring_generation, "members": list(self.ring_members),
+                "addresses": [self.membership[w].address for w in self.ring_members],
+                "rank": self.ring_members.index(worker)}
 
     def admit(self, sender: str, generation: int, now: float) -> Admitted:
         """Admit a held worker join (call once every shard has joined); an older join than the
@@ -278,21 +329,30 @@ class SchedulerCore:
         m = self.membership.get(sender)
         if m.joins != generation:
             raise RequestError(f"{sender} joined again since this join; the newest join is answered", "bad_request")
-        if not self.shards_ready:
-            raise RequestError(f"{sender}: not every shard has joined yet", "bad_request")
+        if not self.admitting:
+            raise RequestError(f"{sender}: not every {'worker' if self.allreduce else 'shard'} has joined yet",
+                               "bad_request")
         if m.state != S.JOINING:  # it left (or was stopped) while its join was held
             raise RequestError(f"{sender} is {m.state} since this join; not admitted", "bad_request")
         m.last_seen = now  # it was waiting for this reply, not silent
         self._move(m, S.LIVE, "admitted")
         if self.t0 is None:
             self.t0 = now
-        return Admitted({"shards": self._shard_addresses(), "worker_index": self.worker_ids.index(m.id),
-                         "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)})
+        info = {"shards": self._shard_addresses(), "worker_index": self.worker_ids.index(m.id),
+                "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)}
+        if self.allreduce:
+            info["ring"] = self._ring_info(m.id)
+            info["worker_index"], info["num_workers"] = info["ring"]["rank"], len(self.ring_members)
+        return Admitted(info)
 
     def heartbeat(self, sender: str, now: float) -> Refused | None:
         m = self.membership.get(sender)
         self._heard(m, now)
-        return Refused(self.end_reason) if self.over else None
+        if self.over:
+            return Refused(self.end_reason)
+        if self.allreduce and m.is_worker and m.state == S.LOST:
+            return Refused(f"{sender} was lost and the ring went on without it (generation {self.ring_generation})")
+        return None
 
     def report(self, sender: str, metrics: dict[str, float], done: bool, now: float) -> Assignment:
         m = self.check_worker(sender, "report", now)
@@ -344,6 +404,8 @@ class SchedulerCore:
         self._move(m, S.LEFT, reason)
         if reason.startswith("failed:") and not (m.is_worker and self.tolerate_worker_loss):
             self.fail(f"node {m.id} ({m.role}) {reason}")
+        elif reason.startswith("failed:"):
+            self._reform_ring(m.id, reason)
         self.policy.forget(m.id)
         self._check_workers_done()
 
@@ -355,6 +417,7 @@ class SchedulerCore:
             if m.state in CONNECTED and silent > LOST_AFTER * self.interval:
                 self._move(m, S.LOST, f"silent for {silent:.1f} s")
                 if m.is_worker and self.tolerate_worker_loss:
+                    self._reform_ring(m.id, f"lost (silent for {silent:.1f} s)")
                     self._check_workers_done()
                 else:
                     self.fail(f"node {m.id} ({m.role}) lost: silent for {silent:.1f} s")
@@ -364,6 +427,22 @@ class SchedulerCore:
                 self.fail(f"node {m.id} ({m.role}) did not join within {self.cfg.job.join_timeout_s} s")
 
     # ---------------------------------------------------------------- the end
+    def final_from_reports(self) -> dict[str, Any]:
+        """The test metrics of the last evaluation a worker reported (allreduce jobs have no PS to
+        pull from: the workers' replicas are identical, and rank 0 evaluates its own at the end)."""
+        best: tuple[float, str, dict[str, Any]] | None = None
+        for w, d in self.run_report.workers.items():
+            points = [(float("inf"), d["final"])] if "test_accuracy" in d["final"] else []
+            points += [(p["t"], p) for p in d["series"] if "test_accuracy" in p]
+            for t, p in points:
+                if best is None or t > best[0]:
+                    best = (t, w, p)
+        if best is None:
+            return {"error": "no worker reported a test evaluation"}
+        _, w, p = best
+        out = {k: p[k] for k in ("test_accuracy", "test_loss") if k in p}
+        return {**out, "evaluated_by": w}
+
     def finish_report(self, final: dict[str, Any], now: float) -> RunReport:
         """The run report with its ``final`` section: the final evaluation plus how the run ended.
         ``best_reported_accuracy`` is what the workers measured on their replicas while training

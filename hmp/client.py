@@ -8,6 +8,11 @@
 ``push`` sends each shard one ``push`` message whose frames are views of the flat gradient buffer
 (no concatenation copy) and writes the values in the ``params`` reply straight into the model's
 parameters (the one necessary copy: receive frame -> parameter storage).
+
+Shared memory (``[shm] enabled``, the default; docs/shm.md): the client moves the flat gradient
+buffer into its process's shared-memory arena once, at construction, so that a push to a shard on
+the same host carries references instead of bytes, and the shard's reply comes back as views of
+its reply slots, released once written into the parameters. Other shards get frames as before.
 """
 
 from __future__ import annotations
@@ -25,25 +30,34 @@ from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate, evaluate_sweep
 from hmp.transport.codec import Limits
 from hmp.transport.endpoint import Client
+from hmp.transport.shm import Arena, ShmSettings, open_process_arena
 
 
 class PSClient:
     """Talks to every shard of one model; the model's parameters live in ``sharded``'s flat buffers."""
 
     def __init__(self, sharded: ShardedModel, shards: Sequence[tuple[str, str]], *, name: str = "client",
-                 cfg: Config | None = None, timeout_s: float = 60.0) -> None:
+                 cfg: Config | None = None, timeout_s: float = 60.0, shm: bool | None = None) -> None:
+        """``shm``: use shared memory with shards on this host (None: as ``cfg``'s ``[shm] enabled``
+        says, off without a config). CPU models only (a CUDA model's gradients are staged anyway)."""
         if len(shards) != len(sharded.assignment):
             raise ValueError(f"the model's chunks are assigned to {len(sharded.assignment)} shards, "
                              f"{len(shards)} given")
         self.sharded, self.cfg, self.name = sharded, cfg, name
-        kw: dict[str, Any] = {"name": name, "timeout_s": timeout_s}
+        self._params = sharded.param_views()
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        self.arena: Arena | None = None
+        if (cfg is not None and cfg.shm.enabled if shm is None else shm) and device.type == "cpu":
+            settings = ShmSettings.of(cfg.shm) if cfg is not None else ShmSettings()
+            self.arena = open_process_arena(cfg.job.name if cfg is not None else "api", name, settings)
+            if self.arena is not None:
+                self._grads_into(self.arena)
+        kw: dict[str, Any] = {"name": name, "timeout_s": timeout_s, "shm": self.arena or False}
         if cfg is not None:
             kw.update(limits=Limits.of(cfg.limits), frame_bytes=cfg.limits.frame_bytes)
         self.shards = [(sid, Client(addr, **kw), tuple(sharded.assignment[i])) for i, (sid, addr) in enumerate(shards)]
         self._all_shards = list(self.shards)
-        self._params = sharded.param_views()
         self._grads = sharded.grad_views()
-        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self._staging: dict[int, torch.Tensor] | None = None
         if device.type != "cpu":
             # CUDA gradients cross to the CPU explicitly, once per push, into pinned staging buffers.
@@ -51,6 +65,13 @@ class PSClient:
         self.version = 0
         self.bytes_out = 0
         self.bytes_in = 0
+
+    def _grads_into(self, arena: Arena) -> None:
+        """The flat gradient buffers into ``arena`` (once; a model whose buffers are there already stays)."""
+        flat = self.sharded.flat
+        if all(arena.locate(g) is not None for g in flat.grads.values() if g.numel()):
+            return
+        self.sharded.layout.move_grads(self.sharded.model, flat, arena.alloc)
 
     @classmethod
     def from_config(cls, cfg: Config, shards: Sequence[tuple[str, str]], *, name: str = "client",
@@ -75,7 +96,8 @@ class PSClient:
 
     def use_gradients(self, grads: dict[int, torch.Tensor]) -> None:
         """Push these chunk views (``{key: 1-D tensor}``, like :meth:`ShardedModel.grad_views`) instead
-        of the model's own flat gradient buffer."""
+        of the model's own flat gradient buffer (views of memory outside :attr:`arena` travel inline;
+        ``arena.alloc`` gives memory inside it)."""
         self._grads = grads
 
     @property
@@ -101,7 +123,8 @@ class PSClient:
         with torch.no_grad():
             for k, v in zip(reply.keys, reply.values):
                 # The one copy on the reply path: the new values land in the worker's own parameters
-                # (the model's storage); the reply frames are read-only and freed after this.
+                # (the model's storage); the reply frames (or the shard's reply slot, in shared
+                # memory) are read-only and released once the reply is dropped after this.
                 self._params[k].copy_(v, non_blocking=False)
         self.version = max(self.version, reply.version)
         self.bytes_in += sum(v.numel() * v.element_size() for v in reply.values)

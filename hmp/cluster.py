@@ -7,6 +7,14 @@ Every daemon is its own OS process (``python -m hmp.nodes.main ROLE --config F -
 ``<report_dir>/logs/<id>.log``. ``train()`` watches them: if any exits non-zero the others are
 stopped and :class:`JobFailed` names it; leaving the ``async with`` block stops whatever still
 runs (SIGTERM, then SIGKILL after a grace period), so no process outlives the cluster.
+
+On emulated hosts (``LocalCluster(cfg, hosts="conf/hosts4.toml")`` or a :class:`~hmp.emulate.EmulatedHosts`;
+docs/emulate.md): each ``[[nodes]] host`` names a host of the hosts file, each daemon runs inside its
+host's network namespace and binds its host's address (the daemons read a derived config, written in a
+temporary folder of the cluster's). This process stays in the machine's own namespace, which cannot
+reach those addresses, so ``status()`` and ``finish()`` go through a small relay process started in the
+scheduler's host (:data:`_RELAY`: JSON lines on its stdin and stdout). Hosts the cluster started
+(given as a path, or an instance not yet started) are removed with everything in them at ``stop()``.
 """
 
 from __future__ import annotations
@@ -15,19 +23,62 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hmp import job
 from hmp.config import Config, Role
-from hmp.errors import HmpError
+from hmp.emulate import EmulatedHosts, check_placement, topology_on_hosts
+from hmp.errors import HmpError, RequestTimeout
+from hmp.messages import Shutdown, Status
+from hmp.transport.endpoint import Client
+from hmp.transport.shm import cleanup_stale
+
+START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
+
+#: The status relay on emulated hosts: ``python -c _RELAY SCHEDULER_ADDRESS`` inside the scheduler's host.
+#: It prints ``{"ready": true}``, then answers each request line ``{"id", "op": "status" | "finish",
+#: "timeout_s", "reason"}`` with ``{"id", "state"}`` or ``{"id", "error", "timeout"}``; it exits at
+#: the end of its stdin (the launcher closed it, or died).
+_RELAY = r"""
+import asyncio, json, os, sys
+out = os.fdopen(os.dup(1), "w")  # the channel to the launcher; anything else printed goes to stderr
+os.dup2(2, 1)
+from hmp.errors import HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
 from hmp.transport.endpoint import Client
 
-START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
+async def main(address):
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    client = Client(address, name="launcher", timeout_s=5.0)
+    await client.connect()
+    out.write('{"ready": true}\n'); out.flush()
+    try:
+        while line := await reader.readline():
+            req = json.loads(line)
+            reply = {"id": req["id"]}
+            try:
+                if req["op"] == "status":
+                    r = await client.request(Status(), timeout_s=req["timeout_s"])
+                    reply["state"] = r.state if isinstance(r, Status) else None
+                else:
+                    await client.request(Shutdown(reason=req["reason"], finish=True), timeout_s=req["timeout_s"])
+            except HmpError as exc:
+                reply.update(error=f"{type(exc).__name__}: {exc}", timeout=isinstance(exc, RequestTimeout))
+            out.write(json.dumps(reply, default=str) + "\n"); out.flush()
+    finally:
+        await client.close()
+
+asyncio.run(main(sys.argv[1]))
+"""
 
 
 class JobFailed(HmpError):
@@ -42,9 +93,24 @@ class LocalCluster:
     """Starts, watches and stops every daemon of ``config`` on this host."""
 
     def __init__(self, config: Config | str | os.PathLike, *, config_path: str | None = None,
-                 env: dict[str, str] | None = None, resume: bool = False, grace_s: float = 10.0) -> None:
+                 env: dict[str, str] | None = None, resume: bool = False, grace_s: float = 10.0,
+                 hosts: EmulatedHosts | str | os.PathLike | None = None) -> None:
         self.cfg = config if isinstance(config, Config) else job.load(config)
         self.config_path = config_path or self.cfg.path
+        #: emulated hosts the daemons run on (None: this machine's own network); a hosts file is loaded here,
+        #: its namespaces are made by start()
+        self.hosts: EmulatedHosts | None = None
+        self._own_hosts = False
+        self._hosts_dir: str | None = None  # the derived config's folder, removed by stop()
+        self._scheduler_address = ""
+        self._relay: asyncio.subprocess.Process | None = None
+        self._relay_ready = False
+        self._relay_rid = 0
+        self._relay_lock = asyncio.Lock()  # one request at a time on the relay's pipes
+        if hosts is not None:
+            self.hosts = hosts if isinstance(hosts, EmulatedHosts) else EmulatedHosts.from_file(hosts)
+            self._own_hosts = not self.hosts.started
+            check_placement(self.cfg.nodes, self.hosts.names, self.config_path, self.hosts.source)
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.resume = resume
@@ -67,17 +133,41 @@ class LocalCluster:
 
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)  # shared memory left by this job's killed daemons
+        if self.hosts is not None:
+            await self._start_hosts()
         for role in START_ORDER:
             for node in self.cfg.by_role(role):
                 cmd = [sys.executable, "-m", "hmp.nodes.main", role, "--config", self.config_path, "--id", node.id]
                 if role == Role.PS and self.resume:
                     cmd.append("--resume")
+                if self.hosts is not None:
+                    cmd = self.hosts.command(node.host, cmd)  # `ip netns exec` execs the daemon: same pid
                 logf = open(self.log_dir / f"{node.id}.log", "wb")  # noqa: SIM115 - closed in stop()
                 self._logs[node.id] = logf
                 # A new session: a Ctrl-C on the terminal reaches the launcher only, which stops
                 # the daemons in order instead of all of them dying at once.
                 self.procs[node.id] = await asyncio.create_subprocess_exec(
                     *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    async def _start_hosts(self) -> None:
+        """Make the hosts (when the cluster owns them) and write the config the daemons read there."""
+        assert self.hosts is not None
+        if self._own_hosts:
+            made = asyncio.get_running_loop().run_in_executor(None, self.hosts.start)
+            try:
+                await asyncio.shield(made)
+            except asyncio.CancelledError:
+                await asyncio.wait({made})  # then stop() removes whatever it made
+                raise
+        address = {n.host: self.hosts.address(n.host) for n in self.cfg.nodes}
+        self._hosts_dir = tempfile.mkdtemp(prefix="hmp-hosts-")
+        derived = Path(self._hosts_dir) / Path(self.config_path).name
+        derived.write_text(topology_on_hosts(self.config_path, self.cfg.nodes, address))
+        derived_cfg = job.load(derived)  # the daemons must accept it as it is
+        s = derived_cfg.scheduler
+        self._scheduler_address = s.advertise or s.bind
+        self.config_path = str(derived)
 
     def log_tail(self, node_id: str, lines: int = 15) -> str:
         p = self.log_dir / f"{node_id}.log"
@@ -88,6 +178,9 @@ class LocalCluster:
 
     async def status(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The scheduler's status, or None if it does not answer. Every poll goes through one socket."""
+        if self.hosts is not None:
+            reply = await self._relay_request({"op": "status"}, timeout_s, ready_s=timeout_s)
+            return reply.get("state") if reply and "error" not in reply else None
         if self._status_client is None:
             s = self.cfg.scheduler
             self._status_client = Client(s.advertise or s.bind, name="launcher", timeout_s=timeout_s)
@@ -133,30 +226,108 @@ class LocalCluster:
     async def finish(self, reason: str = "", timeout_s: float = 5.0) -> None:
         """Ask the scheduler to end the job now as if a stop rule had fired: the workers stop, the
         final evaluation runs and the report is written (``train()`` then returns it)."""
+        if self.hosts is not None:
+            # The relay's first start (it imports torch) may take a while on a busy machine.
+            reply = await self._relay_request({"op": "finish", "reason": reason}, timeout_s, ready_s=timeout_s + 60)
+            if reply is None or reply.get("timeout"):
+                raise RequestTimeout(f"no answer from the scheduler at {self._scheduler_address} to finish "
+                                     f"within {timeout_s} s" + (f" ({reply['error']})" if reply else ""))
+            if "error" in reply:
+                raise HmpError(f"finish through the status relay failed: {reply['error']}")
+            return
         await self.status(timeout_s=timeout_s)  # opens the one launcher socket
         assert self._status_client is not None
         await self._status_client.request(Shutdown(reason=reason, finish=True), timeout_s=timeout_s)
+
+    async def _relay_request(self, request: dict[str, Any], timeout_s: float, ready_s: float) -> dict[str, Any] | None:
+        """One request through the status relay (started on first use); None when the relay is not ready
+        within ``ready_s`` or does not answer within ``timeout_s`` (a late answer is skipped later)."""
+        async with self._relay_lock:
+            return await self._relay_request_locked(request, timeout_s, ready_s)
+
+    async def _relay_request_locked(self, request: dict[str, Any], timeout_s: float,
+                                    ready_s: float) -> dict[str, Any] | None:
+        assert self.hosts is not None
+        if self._relay is None:
+            argv = self.hosts.command(self.cfg.scheduler.host, [sys.executable, "-c", _RELAY, self._scheduler_address])
+            logf = self._logs.get("status-relay") or open(self.log_dir / "status-relay.log", "wb")  # noqa: SIM115
+            self._logs["status-relay"] = logf  # closed in stop()
+            self._relay = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=logf, env=self.env,
+                start_new_session=True)
+            self._relay_ready = False
+        relay = self._relay
+        assert relay.stdin is not None and relay.stdout is not None
+        try:
+            if not self._relay_ready:
+                await self._relay_read(lambda m: bool(m.get("ready")), ready_s)
+                self._relay_ready = True
+            self._relay_rid += 1
+            rid = self._relay_rid
+            relay.stdin.write((json.dumps({**request, "id": rid, "timeout_s": timeout_s}) + "\n").encode())
+            await relay.stdin.drain()
+            return await self._relay_read(lambda m: m.get("id") == rid, timeout_s + 2.0)
+        except TimeoutError:
+            return None
+        except (ConnectionError, EOFError):  # the relay died: the next request starts another
+            await self._stop_relay()
+            return None
+
+    async def _relay_read(self, wanted: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
+        """The relay's next line that is ``wanted`` (earlier ones: answers to requests given up on)."""
+        assert self._relay is not None and self._relay.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = await asyncio.wait_for(self._relay.stdout.readline(), max(0.0, deadline - time.monotonic()))
+            if not line:
+                raise EOFError("status relay exited")
+            msg = json.loads(line)
+            if wanted(msg):
+                return msg
+
+    async def _stop_relay(self) -> None:
+        relay, self._relay = self._relay, None
+        if relay is None:
+            return
+        if relay.stdin is not None:
+            relay.stdin.close()  # the relay exits at the end of its input
+        try:
+            await asyncio.wait_for(relay.wait(), 3.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                relay.kill()
+            await relay.wait()
 
     def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one daemon (tests use it to crash a node)."""
         self.procs[node_id].send_signal(sig)
 
     async def stop(self) -> None:
-        """Stop every daemon still running: SIGTERM, then SIGKILL after the grace period."""
-        if self._status_client is not None:
-            client, self._status_client = self._status_client, None
-            await client.close()
-        live = [p for p in self.procs.values() if p.returncode is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-        if live:
-            _, still = await asyncio.wait([asyncio.create_task(p.wait()) for p in live], timeout=self.grace_s)
+        """Stop every daemon still running: SIGTERM, then SIGKILL after the grace period. Emulated hosts
+        the cluster made are then removed with whatever still runs in them, also when this is cancelled."""
+        try:
+            if self._status_client is not None:
+                client, self._status_client = self._status_client, None
+                await client.close()
+            await self._stop_relay()
+            live = [p for p in self.procs.values() if p.returncode is None]
             for p in live:
-                if p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        p.kill()
-                    await p.wait()
-        for f in self._logs.values():
-            f.close()
-        self._logs.clear()
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+            if live:
+                _, still = await asyncio.wait([asyncio.create_task(p.wait()) for p in live], timeout=self.grace_s)
+                for p in live:
+                    if p.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.kill()
+                        await p.wait()
+        finally:
+            for f in self._logs.values():
+                f.close()
+            self._logs.clear()
+            if self.hosts is not None and self._own_hosts:
+                self.hosts.close()  # blocking on purpose: it must happen even if this task is cancelled again
+            if self._hosts_dir is not None:
+                shutil.rmtree(self._hosts_dir, ignore_errors=True)
+                self._hosts_dir = None
+            cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)  # a killed daemon's segments (docs/shm.md)

@@ -27,7 +27,7 @@ name, so a tied weight occupies one slot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -246,6 +246,26 @@ class FlatLayout:
                 p.data = pviews[name]
                 p.grad = gviews[name]
         return flat
+
+    def move_grads(self, model: nn.Module, flat: FlatBuffers, alloc: Callable[[int, torch.dtype], Tensor]) -> None:
+        """Move ``flat``'s gradient buffers into memory from ``alloc(numel, dtype)`` (e.g.
+        :meth:`hmp.transport.shm.Arena.alloc`, so that pushes carry references, not bytes).
+
+        Done once, at set-up (the current gradients are copied over: not a data-path copy); every
+        parameter's ``.grad`` then views the new buffer, so backward accumulates straight into it.
+        Callers must take gradient views (``chunk_views``) after this, not before."""
+        params = dict(model.named_parameters())
+        for d, n in self.sizes:
+            old = flat.grads[d]
+            new = alloc(n, torch_dtype(d))
+            if new.dim() != 1 or new.numel() != n or new.dtype != old.dtype or new.device != old.device:
+                raise ValueError(f"alloc gave {dtype_name(new.dtype)}{list(new.shape)} on {new.device} for the "
+                                 f"{d}[{n}] gradient buffer on {old.device}")
+            with torch.no_grad():
+                new.copy_(old)
+            flat.grads[d] = new
+        for name, view in self.param_views(flat.grads).items():
+            params[name].grad = view
 
     def _check_flat(self, flat: Mapping[str, Tensor]) -> None:
         for d, n in self.sizes:

@@ -40,6 +40,8 @@ class Kind(enum.Enum):
     WORK = "work"
     STAGE_ASSIGN = "stage_assign"
     RING_ASSIGN = "ring_assign"
+    SHM = "shm"
+    SHM_RELEASE = "shm_release"
     # data
     INIT = "init"
     PUSH = "push"
@@ -57,7 +59,7 @@ class Kind(enum.Enum):
 
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
-                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN})
+                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -268,6 +270,31 @@ class RingAssign(Message):
     members: tuple[str, ...]
     addresses: tuple[str, ...]
     rank: int
+
+
+@message(Kind.SHM)
+class ShmHello(Message):
+    """Shared-memory handshake between a client and a server on one host (docs/protocol.md, "Shared
+    memory"). ``host`` is the sender's host identity, ``segment`` its probe segment (which names its
+    arena) holding ``token`` in its first bytes; ``mapped``: the sender has mapped the receiver's
+    probe and read its token. Client -> server with ``mapped`` false: answered by a ``ShmHello`` of
+    the server's (``mapped``: the server reads the client's segments; ``segment`` empty: the server
+    offers none). Client -> server with ``mapped`` true: answered by :class:`Ack` (replies may now
+    use the server's reply slots)."""
+
+    host: str
+    segment: str
+    token: str
+    mapped: bool = False
+
+
+@message(Kind.SHM_RELEASE)
+class ShmRelease(Message):
+    """One-way (``rid`` 0), client -> server: the client (whose probe is ``segment``) is done with one
+    reference per entry of ``slots`` to the server's reply slots."""
+
+    segment: str
+    slots: tuple[int, ...]
 
 
 # ----------------------------------------------------------------------------- data kinds

@@ -71,7 +71,8 @@ class NodeConfig:
 
     id: str = _field("", "unique node id, e.g. 'ps0'")
     role: str = _field("", f"one of {', '.join(Role)}")
-    host: str = _field("127.0.0.1", "host the launcher starts this daemon on")
+    host: str = _field("127.0.0.1", "host the launcher starts this daemon on: with hmp-launch --hosts, the name of an "
+                                    "emulated host of the hosts file (docs/emulate.md); else unused (this machine)")
     bind: str = _field("tcp://127.0.0.1:0", "ZeroMQ address to bind (port 0: the OS picks one)")
     advertise: str = _field("", "address peers dial; empty: the bound address")
     device: str = _field("", "workers: 'cpu' or 'cuda[:N]'; empty: cpu for cpu_worker, cuda for gpu_worker")
@@ -91,7 +92,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    kind: str = _field("digits", "digits | click | svmlight | npz")
+    kind: str = _field("digits", "digits | click | synthetic (generated, args: n, n_features, ...) | svmlight | npz")
     path: str = _field("", "svmlight/npz: the file (relative paths: to the config file)")
     test_path: str = _field("", "svmlight: an optional separate test file")
     test_fraction: float = _field(0.2, "held-out fraction when the data has no test split")
@@ -140,13 +141,15 @@ class PSConfig:
 class CollectiveConfig:
     bucket_bytes: int = _field(25 << 20, "allreduce: gradients are summed in buckets of about this many bytes, in "
                                          "reverse parameter order, each as soon as backward has produced it")
-    piece_bytes: int = _field(1 << 20, "allreduce: a bucket travels the ring in pieces of at most this many bytes "
-                                       "(pipelining granularity)")
+    piece_bytes: int = _field(2 << 20, "allreduce: a bucket travels the ring in pieces of at most this many bytes "
+                                       "(pipelining granularity; bench/allreduce.py: 1 MiB ran 20% slower)")
     small_bytes: int = _field(256 << 10, "allreduce: buckets whose bytes times (workers - 1) are at most this use "
                                          "the one-step algorithm (every worker sends to every other) instead of the "
                                          "ring")
-    timeout_s: float = _field(0.0, "allreduce: a collective waiting this long for a peer fails (0: four heartbeat "
-                                   "intervals, one more than the scheduler takes to declare a silent node lost)")
+    timeout_s: float = _field(0.0, "allreduce: a collective that makes no progress for this long fails (0: "
+                                   "limits.request_timeout_s). A backstop: a lost member is found by the heartbeats "
+                                   "and the re-formed ring aborts the step at once; it must exceed the longest lag "
+                                   "between members' steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +167,17 @@ class LimitsConfig:
                                        "a full queue waits")
     max_inflight_requests: int = _field(1024, "requests a daemon serves at once (handlers waiting, replies not yet "
                                               "sent); at the cap it stops reading until one finishes")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmConfig:
+    enabled: bool = _field(True, "peers on the same host (detected by a handshake, never assumed) pass tensors "
+                                 "through shared memory: ZeroMQ carries only the header (docs/shm.md)")
+    min_bytes: int = _field(1 << 16, "tensors smaller than this travel inline, in frames")
+    dir: str = _field("/dev/shm", "where segments live (a tmpfs), as files named hmp.JOB.OWNER.PID.N")
+    reply_pool_bytes: int = _field(256 << 20, "memory a daemon lends as reply slots (a PS shard's new values); "
+                                              "with none free a reply travels inline; 0: replies always inline")
+    segment_bytes: int = _field(64 << 20, "size of each reply-pool segment (a larger reply gets one of its own)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +239,7 @@ class Config:
     nodes: tuple[NodeConfig, ...]
     placement: PlacementConfig = PlacementConfig()
     collective: CollectiveConfig = CollectiveConfig()
+    shm: ShmConfig = ShmConfig()
 
     def node(self, node_id: str) -> NodeConfig:
         for n in self.nodes:
@@ -262,7 +277,8 @@ class Config:
 
 SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                              "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
-                             "sweep": SweepConfig, "placement": PlacementConfig, "collective": CollectiveConfig}
+                             "sweep": SweepConfig, "placement": PlacementConfig, "collective": CollectiveConfig,
+                             "shm": ShmConfig}
 
 
 def _type_name(t: Any) -> str:
@@ -396,8 +412,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "optimizer.name", f"one of ['sgd', 'adam', 'adagrad'], got {cfg.optimizer.name!r}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(p, "optimizer.lr", "a number > 0")
-    if cfg.data.kind not in ("digits", "click", "svmlight", "npz"):
-        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'svmlight', 'npz'], got {cfg.data.kind!r}")
+    if cfg.data.kind not in ("digits", "click", "synthetic", "svmlight", "npz"):
+        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'synthetic', 'svmlight', 'npz'], got {cfg.data.kind!r}")
     if cfg.data.kind in ("svmlight", "npz") and not cfg.data.path:
         raise ConfigError(p, "data.path", f"a file path for data.kind = {cfg.data.kind!r}")
     if cfg.sweep.members:
@@ -434,6 +450,13 @@ def _validate_ranges(cfg: Config) -> None:
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(p, key, f"a number > 0, got {value!r}")
+    shm = cfg.shm
+    for key, value, low in (("shm.min_bytes", shm.min_bytes, 0), ("shm.reply_pool_bytes", shm.reply_pool_bytes, 0),
+                            ("shm.segment_bytes", shm.segment_bytes, 4096)):
+        if value < low:
+            raise ConfigError(p, key, f"an integer >= {low}, got {value!r}")
+    if not shm.dir:
+        raise ConfigError(p, "shm.dir", "a directory (a tmpfs such as /dev/shm)")
     d = cfg.data
     # digits and click are always split, svmlight without a test file too; npz may carry its own
     # test arrays (then the fraction is unused), so there only the range is checked.

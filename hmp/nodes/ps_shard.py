@@ -5,6 +5,11 @@ Where a message is handled: ``on_push`` validates, then applies (async), waits f
 sends. A reply carries a copy of the values taken when the handler returns (see ``_params``): the
 shard may change a chunk again at once, and a reply never carries values of a later update.
 Checkpoints are written off the event loop from a snapshot (see ``checkpoint``).
+
+Shared memory (``[shm]``, docs/shm.md): the shard opens its process's arena when it starts. Pushes
+from workers on this host arrive as read-only views of the workers' gradient buffers (read here,
+never kept past the reply), and the reply's copy of the values is made into a reply slot of the
+arena, which the workers on this host read in place; everyone else gets frames as before.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from hmp.messages import Ack, Init, Kind, Leave, Message, Params, Pull, Push
 from hmp.nodes.base import Node
 from hmp.ps.optim import chunk_optimizer_of
 from hmp.ps.shard_core import ShardCore
+from hmp.transport.shm import Arena, ShmSettings, open_process_arena
 
 
 class PSShardNode(Node):
@@ -49,6 +55,8 @@ class PSShardNode(Node):
         # A sweep's members are independent: one diverging member's NaN stays in its own slice of
         # every chunk, and refusing the push would stop the others too (its report shows it).
         self.reject_nonfinite = cfg.ps.reject_nonfinite and not cfg.sweep.members
+        #: where reply copies go (main() opens the process arena; the server finds it there)
+        self.arena: Arena | None = None
 
     def handlers(self):
         return {**super().handlers(), Kind.PUSH: self.on_push, Kind.PULL: self.on_pull, Kind.INIT: self.on_init,
@@ -69,9 +77,15 @@ class PSShardNode(Node):
         or the reply would carry values of that later update. bench/reply.py measures both (2 workers
         x 16 MiB in 1 MiB chunks, loopback, 2 cores): the copy's rounds were as fast or faster (copy /
         zero-copy round time 0.94 and 1.01 in two runs) for ~8% more shard CPU, and it needs no
-        trackers, no waits before a mutation and no ordering between updates and replies."""
-        return Params(sender=self.id, keys=keys, values=tuple(v.clone() for v in self.core.values(keys)),
-                      version=self.core.version)
+        trackers, no waits before a mutation and no ordering between updates and replies.
+
+        With a shared-memory arena the copy goes into a reply slot (the same one copy): workers on
+        this host read it in place; for the others it is sent as frames, like a clone."""
+        values = self.core.values(keys)
+        copies = self.arena.reply_copies(values) if self.arena is not None else None
+        if copies is None:  # no arena, small values, or no free slot: as before
+            copies = tuple(v.clone() for v in values)
+        return Params(sender=self.id, keys=keys, values=copies, version=self.core.version)
 
     async def on_push(self, msg: Push, peer: bytes) -> Message:
         try:
@@ -175,6 +189,8 @@ class PSShardNode(Node):
                       seconds=round(time.perf_counter() - t0, 4))
 
     async def main(self) -> None:
+        if self.cfg.shm.enabled:  # before joining: workers learn of this shard only after
+            self.arena = open_process_arena(self.cfg.job.name, self.id, ShmSettings.of(self.cfg.shm))
         if await self.join() is None:
             return
         self.start_heartbeat()

@@ -1,1 +1,2 @@
-"""Wire codec (pure: :mod:`hmp.transport.codec`) and asyncio ZeroMQ endpoints (:mod:`.endpoint`)."""
+"""Wire codec (pure: :mod:`hmp.transport.codec`), asyncio ZeroMQ endpoints (:mod:`.endpoint`) and
+shared memory between peers on one host (:mod:`.shm`, docs/shm.md)."""

@@ -19,6 +19,16 @@ Zero-copy rules
   all (this is the only copy on the receive side).
 * ``decode`` raises only :class:`~hmp.errors.ProtocolError`, whatever bytes it is given.
 
+Shared memory
+-------------
+A tensor descriptor may carry ``"shm": [segment, offset, slot]`` instead of frames (docs/protocol.md,
+"Shared memory"): the tensor's bytes lie in a shared-memory segment both peers map. The codec stays
+pure: ``encode(..., locate=f)`` asks ``f(tensor)`` for a reference (None: send frames), and
+``decode(..., resolve=g)`` asks ``g(segment, offset, nbytes, slot)`` for a buffer of exactly
+``nbytes`` (``hmp.transport.shm`` provides both, the endpoint decides per peer when to pass them).
+A reference decoded without a resolver, or one the resolver refuses, is a ProtocolError with code
+``bad_shm``.
+
 Speed: the per-kind schema (field checkers, tensor fields) is compiled once at import, so encoding
 or decoding a small control message costs a few microseconds (see bench/transport.py).
 """
@@ -62,6 +72,7 @@ _WIRE_NAME = {v: k for k, v in DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
 HEADER_KEYS = frozenset({"version", "kind", "sender", "rid", "fields", "tensors"})
 TENSOR_KEYS = frozenset({"field", "dtype", "shape", "frames"})
+TENSOR_KEYS_SHM = TENSOR_KEYS | {"shm"}  #: a tensor in shared memory (module docstring)
 MAX_RID = (1 << 64) - 1
 
 
@@ -273,12 +284,20 @@ class _Packers(threading.local):
 _packers = _Packers()
 
 
+#: locate(tensor) -> [segment, offset, slot] of a (contiguous, CPU) tensor in shared memory, or None
+Locate = Callable[[torch.Tensor], "list[Any] | tuple[str, int, int] | None"]
+#: resolve(segment, offset, nbytes, slot) -> a buffer of exactly nbytes; raises ProtocolError
+Resolve = Callable[[str, int, int, int], Any]
+
+
 def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str | None = None,
-           rid: int | None = None) -> list[Any]:
+           rid: int | None = None, locate: Locate | None = None) -> list[Any]:
     """Encode ``msg`` as ``[header, *tensor frames]`` without copying tensor payloads.
 
     ``sender`` and ``rid``, when given, replace the message's own in the header (what
-    ``msg.replace(sender=..., rid=...)`` would do, without building a new message).
+    ``msg.replace(sender=..., rid=...)`` would do, without building a new message). ``locate``,
+    when given, is asked for each non-empty tensor: a ``[segment, offset, slot]`` it returns goes
+    in the tensor's descriptor instead of frames (module docstring).
     """
     if frame_bytes <= 0:
         raise ValueError("frame_bytes must be positive")
@@ -294,6 +313,12 @@ def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str 
             raise ProtocolError(f"{schema.wire}.{spec.name}: expected a sequence of tensors", "bad_field")
         for i, v in enumerate(values):
             t = _as_tensor(v, f"{schema.wire}.{spec.name}[{i}]")
+            if locate is not None and t.numel():
+                ref = locate(t)
+                if ref is not None:
+                    descs.append({"field": spec.name, "dtype": _WIRE_NAME[t.dtype], "shape": list(t.shape),
+                                  "frames": 0, "shm": [str(ref[0]), int(ref[1]), int(ref[2])]})
+                    continue
             parts = _frames_of(t, frame_bytes)
             descs.append({"field": spec.name, "dtype": _WIRE_NAME[t.dtype], "shape": list(t.shape),
                           "frames": len(parts)})
@@ -302,6 +327,19 @@ def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str 
               "sender": msg.sender if sender is None else sender, "rid": msg.rid if rid is None else rid,
               "fields": fields, "tensors": descs}
     return [_packers.packer.pack(header), *frames]
+
+
+def message_tensors(msg: Message) -> list[torch.Tensor]:
+    """The tensors of ``msg``'s tensor fields, in wire order (what ``encode`` would send)."""
+    schema = _BY_CLASS.get(type(msg)) or _BY_WIRE[msg.kind.value]
+    out: list[torch.Tensor] = []
+    for spec in schema.tensor_fields:
+        value = getattr(msg, spec.name)
+        if spec.many:
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+        elif isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
 
 
 # ----------------------------------------------------------------------------- decode
@@ -378,17 +416,43 @@ def _view(frames: Sequence[memoryview], dtype: torch.dtype, shape: list[int], nb
     return torch.from_numpy(out).view(dtype).view(shape)
 
 
-def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Decode ``[header, *tensor frames]`` into its typed message; raises only ProtocolError."""
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS, *, resolve: Resolve | None = None) -> Message:
+    """Decode ``[header, *tensor frames]`` into its typed message; raises only ProtocolError.
+
+    ``resolve`` turns the shared-memory references of the header into buffers (module docstring);
+    without one, a message holding a reference is refused (``bad_shm``)."""
     try:
-        return _decode(frames, limits)
+        return _decode(frames, limits, resolve)
     except ProtocolError:
         raise
     except Exception as exc:  # a bug-shaped hole must still surface as a protocol error
         raise ProtocolError(f"undecodable message: {exc.__class__.__name__}: {exc}") from None
 
 
-def _decode(frames: Sequence[Any], limits: Limits) -> Message:
+def _shm_view(where: str, ref: Any, wire_dtype: str, dtype: torch.dtype, shape: list[int], nbytes: int,
+              nframes: int, resolve: Resolve | None) -> torch.Tensor:
+    """The tensor a descriptor's ``shm`` reference names, as a view over the resolver's buffer."""
+    if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str)
+            and all(type(x) is int for x in ref[1:]) and ref[1] >= 0 and ref[2] >= 0):
+        raise ProtocolError(f"{where}: shm must be [segment (str), offset (int >= 0), slot (int >= 0)]", "bad_shm")
+    if nframes != 0:
+        raise ProtocolError(f"{where}: a tensor in shared memory has frames = 0, got {nframes}", "bad_shm")
+    if nbytes == 0:
+        raise ProtocolError(f"{where}: an empty tensor travels inline, not in shared memory", "bad_shm")
+    segment, offset, slot = ref
+    if offset % _ITEMSIZE[wire_dtype]:
+        raise ProtocolError(f"{where}: offset {offset} is not a multiple of the {wire_dtype} item size", "bad_shm")
+    if resolve is None:
+        raise ProtocolError(f"{where}: a shared-memory reference, but no shared memory was agreed with this peer",
+                            "bad_shm")
+    buf = resolve(segment, offset, nbytes, slot)
+    if len(memoryview(buf).cast("B")) != nbytes:
+        raise ProtocolError(f"{where}: shared-memory buffer of the wrong size", "bad_shm")
+    flat = torch.frombuffer(buf, dtype=dtype)  # a view of the shared segment: no copy
+    return flat if len(shape) == 1 else flat.view(shape)
+
+
+def _decode(frames: Sequence[Any], limits: Limits, resolve: Resolve | None = None) -> Message:
     if len(frames) == 0:
         raise ProtocolError("empty message: no header frame")
     if len(frames) - 1 > limits.max_frames:
@@ -423,8 +487,8 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
     total = 0
     for i, desc in enumerate(descs):
         where = f"{wire}.tensors[{i}]"
-        if not isinstance(desc, dict) or desc.keys() != TENSOR_KEYS:
-            raise ProtocolError(f"{where}: expected a map with keys {sorted(TENSOR_KEYS)}")
+        if not isinstance(desc, dict) or (desc.keys() != TENSOR_KEYS and desc.keys() != TENSOR_KEYS_SHM):
+            raise ProtocolError(f"{where}: expected a map with keys {sorted(TENSOR_KEYS)} (and optionally 'shm')")
         spec = schema.specs.get(desc["field"]) if isinstance(desc["field"], str) else None
         if spec is None or not spec.tensor:
             raise ProtocolError(f"{where}: {desc['field']!r} is not a tensor field of {wire}", "bad_field")
@@ -450,6 +514,10 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
         total += nbytes
         if total > limits.max_message_bytes:
             raise ProtocolError(f"tensor bytes exceed the limit of {limits.max_message_bytes}", "too_large")
+        if "shm" in desc:
+            tensors.setdefault(spec.name, []).append(
+                _shm_view(where, desc["shm"], wire_dtype, dtype, shape, nbytes, nframes, resolve))
+            continue
         if pos + nframes > len(data):
             raise ProtocolError(f"{where}: header names {nframes} frames but only {len(data) - pos} remain")
         parts = data[pos:pos + nframes]

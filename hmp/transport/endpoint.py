@@ -41,11 +41,34 @@ changes, not pending messages, and any socket call may consume a signal), hence 
 here: drain until ``EAGAIN``, and look again after every send.
 
 For large tensors, call :func:`tune_malloc` once at process start (see there).
+
+Shared memory (docs/shm.md)
+---------------------------
+A Client and a Server on the same host pass tensors through shared memory once a handshake proved
+that each maps the other's segments (:mod:`hmp.transport.shm`); with any other peer, or when the
+handshake fails or is not answered, frames travel as above. Both ends use ``shm``: an
+:class:`~hmp.transport.shm.Arena`, ``False`` (never), or ``None`` (the default: the process arena,
+:func:`hmp.transport.shm.open_process_arena`, if this process opened one).
+
+* Requests: a tensor of at least ``min_bytes`` lying in the client's arena travels as a reference.
+  Its memory stays lent to the server until the reply arrives: the sender must not change it
+  before (as with zero-copy frames, which also hold it until sent), and the server must copy what
+  it keeps past its reply. A client with an explicit arena shakes hands before its first request;
+  one on the process arena before its first request that carries arena memory.
+* Replies: a tensor of at least ``min_bytes`` inside one of the server's reply slots
+  (``Arena.reply_copies``) travels as a reference when the client maps the server's segments; the
+  client returns each reference once the last view of it is gone (``shm_release``, one-way,
+  batched). A full pool makes ``reply_copies`` return None: the handler copies as before and the
+  reply goes inline. Nothing waits for a slot.
+* A request refused with ``bad_shm`` (the server lost the agreement, e.g. it restarted) is sent
+  again inline, once, and the next request shakes hands again. A server that offered no shared
+  memory (no arena open yet) is asked again after ``_SHM_RETRY_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -59,9 +82,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from hmp.errors import (EndpointClosed, PeerLost, ProtocolError, RemoteError, RequestError, RequestTimeout)
-from hmp.messages import Error, Kind, Message
-from hmp.transport.codec import DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, Limits, decode, encode, frame_error_rid
+from hmp.errors import EndpointClosed, PeerLost, ProtocolError, RemoteError, RequestError, RequestTimeout
+from hmp.messages import Ack, Error, Kind, Message, ShmHello, ShmRelease
+from hmp.transport import shm as shm_mod
+from hmp.transport.codec import (DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, Limits, decode, encode, frame_error_rid,
+                                 message_tensors)
+from hmp.transport.shm import Arena
 from hmp.transport.eager import start_eager
 
 
@@ -109,6 +135,21 @@ _SEND_POLL_S = (0.001, 0.005)
 
 #: wait_sent polls a tracker after 1 ms, then at intervals growing by half up to 10 ms.
 _TRACK_POLL_S = (0.001, 0.010)
+
+#: Slot references per ``shm_release`` message.
+_RELEASE_BATCH = 4096
+
+#: A server that offered no shared memory (none open yet, or disabled) is asked again after this long.
+_SHM_RETRY_S = 10.0
+
+
+def _arena_of(option: Arena | bool | None) -> Arena | None:
+    """The arena an endpoint's ``shm`` option means now (module docstring)."""
+    if option is False:
+        return None
+    if option is None or option is True:
+        return shm_mod.process_arena()
+    return None if option.closed else option
 
 
 def hwm_for(limits: Limits, frame_bytes: int) -> int:
@@ -363,7 +404,7 @@ class Server:
     def __init__(self, address: str, handlers: Mapping[Kind, Handler], *, name: str = "server",
                  limits: Limits = DEFAULT_LIMITS, frame_bytes: int = DEFAULT_FRAME_BYTES,
                  ctx: zmq.Context | None = None, eager: bool = True, hwm: int | None = None,
-                 max_inflight: int | None = None) -> None:
+                 max_inflight: int | None = None, shm: Arena | bool | None = None) -> None:
         self.bind_address = address
         self.address = address
         self.handlers = dict(handlers)
@@ -380,8 +421,12 @@ class Server:
         self._inflight: set[asyncio.Task] = set()
         self._closing = False
         self.stats = {"requests": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0, "replies": 0,
-                      "unanswered_one_way_errors": 0, "paused": 0}
+                      "unanswered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0}
         self.log = log.bind(node=name)
+        #: shared memory: an Arena, False (none), or None (the process arena when a peer asks)
+        self.shm = shm
+        self._shm_peers: dict[bytes, shm_mod.RequestResolver] = {}  # routing id -> what it agreed
+        self._internal: dict[Kind, Handler] = {Kind.SHM: self._on_shm_hello, Kind.SHM_RELEASE: self._on_shm_release}
 
     async def __aenter__(self) -> Server:
         await self.start()
@@ -420,14 +465,14 @@ class Server:
                                f"{self.name} is shutting down")
             return
         try:
-            msg = decode(body, self.limits)
+            msg = decode(body, self.limits, resolve=self._shm_peers.get(peer) if self._shm_peers else None)
         except ProtocolError as exc:
             stats["errors"] += 1
             self.log.warning("bad_message", peer=peer.hex(), code=exc.code, error=str(exc))
             self._answer_error(peer, frame_error_rid(body) if body else 0, exc.code, str(exc))
             return
         stats["requests"] += 1
-        handler = self.handlers.get(msg.kind)
+        handler = self.handlers.get(msg.kind) or self._internal.get(msg.kind)
         if handler is None:
             stats["errors"] += 1
             self._answer_error(peer, msg.rid, "unknown_op", f"{self.name} does not serve {msg.kind.value!r}; "
@@ -507,19 +552,81 @@ class Server:
             return
         await self._reply(peer, msg.rid, reply)
 
+    # ---------------------------------------------------------------- shared memory
+    def _arena(self) -> Arena | None:
+        return _arena_of(self.shm)
+
+    async def _on_shm_hello(self, msg: ShmHello, peer: bytes) -> Message:
+        """The server's side of the handshake (docs/protocol.md, "Shared memory")."""
+        arena = self._arena()
+        if arena is None:
+            self._shm_peers.pop(peer, None)
+            return ShmHello(host="", segment="", token="", mapped=False)
+        here = shm_mod.host_id(arena.directory)
+        prefix = shm_mod.prefix_of(msg.segment)
+        if msg.mapped:  # second step: the client reads our segments
+            agreed = self._shm_peers.get(peer)
+            if agreed is None or agreed.prefix != prefix:
+                raise RequestError("shm: a 'mapped' hello without this connection's offer first", "bad_shm")
+            agreed.replies = True
+            return Ack(detail="shm replies")
+        if prefix is None or msg.host != here:
+            self._shm_peers.pop(peer, None)
+            return ShmHello(host=here, segment=arena.probe, token=arena.token, mapped=False)
+        ok = shm_mod.verify_probe(arena.directory, msg.segment, msg.token)
+        if len(self._shm_peers) >= 256:  # forget connections of peers that have exited
+            for rid_, agreed in list(self._shm_peers.items()):
+                if not shm_mod.owner_alive(agreed.directory, f"{agreed.prefix}.0"):
+                    del self._shm_peers[rid_]
+        self._shm_peers[peer] = shm_mod.RequestResolver(arena.directory, prefix, ok)
+        self.log.info("shm_peer", peer=prefix, requests=ok)
+        return ShmHello(host=here, segment=arena.probe, token=arena.token, mapped=ok)
+
+    async def _on_shm_release(self, msg: ShmRelease, peer: bytes) -> Message | None:
+        arena = self._arena()
+        prefix = shm_mod.prefix_of(msg.segment)
+        if arena is not None and prefix is not None:
+            unknown = arena.release(msg.slots, prefix)
+            if unknown:
+                self.log.debug("shm_release_unknown", peer=prefix, slots=unknown)
+        return None if msg.rid == 0 else Ack()
+
+    def _reply_locate(self, peer: bytes, held: list[int]) -> tuple[Any, Arena | None, str]:
+        """The ``locate`` for a reply to ``peer`` (None unless it maps our reply slots)."""
+        agreed = self._shm_peers.get(peer) if self._shm_peers else None
+        arena = self._arena() if agreed is not None and agreed.replies else None
+        if arena is None:
+            return None, None, ""
+        stats = self.stats
+
+        def locate(t: Any) -> Any:
+            ref = arena.reply_ref(t)
+            if ref is not None:
+                held.append(ref[2])
+                stats["shm_bytes_out"] += t.numel() * t.element_size()
+            return ref
+        return locate, arena, agreed.prefix
+
     async def _reply(self, peer: bytes, rid: int, reply: Message | Reply) -> None:
         """Send a handler's reply (the only way anything leaves a server)."""
         tracked = reply if isinstance(reply, Reply) else None
         msg = reply.message if tracked is not None else reply
         tracker = None
+        held: list[int] = []  # reply slots referenced (lent to the peer once sent)
+        arena, who, sent = None, "", False
         try:
             chan = self._chan
             if chan is None:
                 raise EndpointClosed(f"{self.name} is closed")
-            frames = encode(msg, self.frame_bytes, rid=rid, sender=self.name)
+            locate, arena, who = self._reply_locate(peer, held)
+            frames = encode(msg, self.frame_bytes, rid=rid, sender=self.name, locate=locate)
+            if held:
+                assert arena is not None
+                arena.hold(held, who)  # before the send: the peer may release as soon as it has the reply
             if len(frames) > 1:
                 self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
             tracker = await chan.send([peer, *frames], tracked is not None)
+            sent = True
             self.stats["replies"] += 1
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
@@ -528,6 +635,8 @@ class Server:
         except (PeerLost, EndpointClosed) as exc:
             self.log.info("reply_not_sent", kind=msg.kind.value, error=str(exc))
         finally:
+            if held and not sent and arena is not None:
+                arena.release(held, who)  # never reached the peer: nobody will release them
             if tracked is not None and (tracker is None or tracker.done):
                 _notify(tracked, tracker is not None)
         if tracked is not None and tracker is not None and not tracker.done:
@@ -578,7 +687,8 @@ class Client:
 
     def __init__(self, address: str, *, name: str = "client", limits: Limits = DEFAULT_LIMITS,
                  frame_bytes: int = DEFAULT_FRAME_BYTES, timeout_s: float = 30.0,
-                 ctx: zmq.Context | None = None, hwm: int | None = None) -> None:
+                 ctx: zmq.Context | None = None, hwm: int | None = None,
+                 shm: Arena | bool | None = None) -> None:
         self.address = address
         self.name = name
         self.limits = limits
@@ -589,8 +699,24 @@ class Client:
         self._chan: _Channel | None = None
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._rids = itertools.count(1)
-        self.stats = {"requests": 0, "bytes_in": 0, "bytes_out": 0}
+        self.stats = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "shm_bytes_out": 0}
         self.log = log.bind(node=name, peer=address)
+        #: shared memory: an Arena (shake hands before the first request), True (the same with the
+        #: process arena), False (never), or None (the process arena, shaking hands before the first
+        #: request that carries its memory)
+        self.shm = shm
+        self._shm_state = "off" if shm is False else "new"  # new -> pending -> on | off
+        self._shm_wait: asyncio.Future | None = None
+        self._shm_not_before = 0.0  # loop time before which no new handshake is tried
+        self._link: _ShmLink | None = None
+        #: reads the server's reply slots; kept when the link is dropped, for replies still on the way
+        self._resolve: shm_mod.ReplyResolver | None = None
+        self._released: collections.deque[int] = collections.deque()  # slots to return (any thread)
+        self._release_scheduled = False
+        self._release_as = ""  # our probe, as the server knows us
+        self._release_tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shm_retry = False  # the last handshake found a server without an arena
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -608,12 +734,18 @@ class Client:
             sock.close(linger=0)
             raise
         self._chan = _Channel(sock, self._on_message, copied=1)
+        self._loop = self._chan.loop
+
+    @property
+    def shm_active(self) -> bool:
+        """Whether shared memory is in use with this server (after a successful handshake)."""
+        return self._link is not None
 
     def _on_message(self, frames: list[Any]) -> None:
         if len(frames) > 1:
             self.stats["bytes_in"] += sum(len(f) for f in frames[1:])
         try:
-            msg = decode(frames, self.limits)
+            msg = decode(frames, self.limits, resolve=self._resolve)
         except ProtocolError as exc:
             rid = frame_error_rid(frames)
             self.log.warning("bad_reply", code=exc.code, error=str(exc), rid=rid)
@@ -635,28 +767,61 @@ class Client:
         return await self._send(msg, track)
 
     async def _send(self, msg: Message, track: bool, rid: int | None = None,
-                    sender: str | None = None) -> zmq.MessageTracker | None:
+                    sender: str | None = None, locate: Any = None) -> zmq.MessageTracker | None:
         if self._chan is None:
             raise EndpointClosed(f"{self.name} is closed")
-        frames = encode(msg, self.frame_bytes, rid=rid, sender=sender)
+        frames = encode(msg, self.frame_bytes, rid=rid, sender=sender, locate=locate)
         if len(frames) > 1:
             self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
         return await self._chan.send(frames, track)
 
     async def request(self, msg: Message, timeout_s: float | None = None) -> Message:
-        """Send ``msg`` with a fresh rid and return the reply (``Error`` replies raise RemoteError)."""
+        """Send ``msg`` with a fresh rid and return the reply (``Error`` replies raise RemoteError).
+
+        Tensors in this client's shared-memory arena go by reference when the server maps it
+        (module docstring); they are lent to the server until the reply arrives."""
         if self._chan is None:
+            raise EndpointClosed(f"{self.name} is closed")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self._shm_state != "off" and self._link is None and (self._shm_state == "pending"
+                                                                or _arena_of(self.shm) is not None):
+            await self._shm_maybe_handshake(msg, timeout)
+        link = self._link
+        if link is None or not link.send:
+            return await self._request(msg, timeout, None)
+        arena, used, stats = link.arena, [], self.stats
+
+        def locate(t: Any) -> Any:
+            ref = arena.request_ref(t)
+            if ref is not None:
+                n = t.numel() * t.element_size()
+                used.append(n)
+                stats["shm_bytes_out"] += n
+            return ref
+        try:
+            return await self._request(msg, timeout, locate)
+        except RemoteError as exc:
+            if exc.code != "bad_shm" or not used:
+                raise
+            # The server no longer reads our segments (it restarted, or lost this connection's
+            # agreement): once more inline, and shake hands again before the next request.
+            self.log.warning("shm_refused", error=exc.remote_message)
+            if self._link is link:
+                self._link, self._shm_state = None, "new"
+            return await self._request(msg, timeout, None)
+
+    async def _request(self, msg: Message, timeout: float, locate: Any) -> Message:
+        if self._chan is None:  # closed while shaking hands
             raise EndpointClosed(f"{self.name} is closed")
         rid = next(self._rids)
         loop = self._chan.loop
         fut: asyncio.Future[Message] = loop.create_future()
         self._pending[rid] = fut
         self.stats["requests"] += 1
-        timeout = self.timeout_s if timeout_s is None else timeout_s
         # A timer on the future rather than asyncio.wait_for: same bound, a fraction of the cost.
         timer = loop.call_later(timeout, self._expire, fut, msg.kind, rid, timeout)
         try:
-            await self._send(msg, False, rid=rid, sender=msg.sender or self.name)
+            await self._send(msg, False, rid=rid, sender=msg.sender or self.name, locate=locate)
             return await fut
         finally:
             timer.cancel()
@@ -666,6 +831,103 @@ class Client:
         if not fut.done():
             fut.set_exception(RequestTimeout(f"{self.name}: no reply to {kind.value} #{rid} from {self.address} "
                                              f"within {timeout} s"))
+
+    # ---------------------------------------------------------------- shared memory
+    async def _shm_maybe_handshake(self, msg: Message, timeout: float) -> None:
+        if self._shm_state == "pending":
+            assert self._shm_wait is not None
+            await asyncio.shield(self._shm_wait)  # the first request's handshake; its errors are its own
+            return
+        if self._shm_state != "new":
+            return
+        arena = _arena_of(self.shm)
+        if arena is None or (self._shm_not_before and asyncio.get_running_loop().time() < self._shm_not_before):
+            return
+        if self.shm is None and not any(arena.request_ref(t) is not None for t in message_tensors(msg)):
+            return  # the process arena: only once a request carries its memory
+        self._shm_state = "pending"
+        loop = asyncio.get_running_loop()
+        self._shm_wait = wait = loop.create_future()
+        try:
+            self._link = await self._shm_negotiate(arena, timeout)
+            self._shm_state = "on" if self._link is not None else "off"
+            if self._shm_state == "off" and self._shm_retry:  # the server may open its arena later
+                self._shm_state, self._shm_not_before = "new", loop.time() + _SHM_RETRY_S
+            if self._link is not None and self._link.resolver is not None:
+                self._resolve = self._link.resolver
+        except (RemoteError, ProtocolError) as exc:  # a server that does not speak it: frames, as ever
+            self.log.info("shm_off", reason=str(exc))
+            self._shm_state = "off"
+        except BaseException:
+            self._shm_state = "new"  # timeout, closed, cancelled: the next request tries again
+            raise
+        finally:
+            self._shm_wait = None
+            if not wait.done():
+                wait.set_result(None)
+
+    async def _shm_negotiate(self, arena: Arena, timeout: float) -> _ShmLink | None:
+        """The client's side of the handshake (docs/protocol.md, "Shared memory")."""
+        here = shm_mod.host_id(arena.directory)
+        offer = ShmHello(host=here, segment=arena.probe, token=arena.token)
+        reply = await self._request(offer, timeout, None)
+        self._shm_retry = isinstance(reply, ShmHello) and not reply.segment  # it offers none (yet)
+        if not isinstance(reply, ShmHello):
+            return None
+        send = bool(reply.mapped)
+        resolver = None
+        prefix = shm_mod.prefix_of(reply.segment)
+        if reply.host == here and prefix is not None and shm_mod.verify_probe(arena.directory, reply.segment,
+                                                                              reply.token):
+            await self._request(offer.replace(mapped=True), timeout, None)
+            resolver = shm_mod.ReplyResolver(arena.directory, prefix, self._release_slot)
+        if not send and resolver is None:
+            self.log.info("shm_off", reason="the server cannot map this process's segments nor we its",
+                          server_host=reply.host == here)
+            return None
+        self._release_as = arena.probe
+        self.log.info("shm_on", server=prefix, requests=send, replies=resolver is not None)
+        return _ShmLink(arena, send, resolver)
+
+    def _release_slot(self, slot: int) -> None:
+        """Queue one reply-slot reference for release; called by finalizers, from any thread."""
+        self._released.append(slot)
+        if not self._release_scheduled:
+            self._release_scheduled = True
+            loop = self._loop
+            try:
+                if loop is not None:
+                    loop.call_soon_threadsafe(self._flush_releases)
+            except RuntimeError:  # the loop is closed: the server reclaims when we exit
+                pass
+
+    def _flush_releases(self) -> None:
+        """Send the queued releases (one-way ``shm_release`` messages; never waits)."""
+        self._release_scheduled = False
+        slots = []
+        while self._released:
+            slots.append(self._released.popleft())
+        chan = self._chan
+        if not slots or chan is None or not self._release_as:
+            return
+        for i in range(0, len(slots), _RELEASE_BATCH):
+            frames = encode(ShmRelease(segment=self._release_as, slots=tuple(slots[i:i + _RELEASE_BATCH])),
+                            self.frame_bytes, sender=self.name)
+            try:
+                chan.send_now(frames, False)
+            except zmq.Again:  # no room now: a task waits for it (releases are never dropped for that)
+                task = chan.loop.create_task(self._send_frames(frames))
+                self._release_tasks.add(task)
+                task.add_done_callback(self._release_tasks.discard)
+            except (zmq.ZMQError, PeerLost, EndpointClosed) as exc:
+                self.log.info("shm_release_not_sent", slots=len(slots), error=str(exc))
+
+    async def _send_frames(self, frames: list[Any]) -> None:
+        chan = self._chan
+        if chan is None:
+            return
+        with contextlib.suppress(zmq.ZMQError, PeerLost, EndpointClosed):
+            await chan.send(frames, False)
 
     def fail_pending(self, exc: Exception) -> int:
         """Fail every pending request with ``exc`` (e.g. PeerLost); returns how many."""
@@ -681,8 +943,21 @@ class Client:
         if self._chan is None:
             return
         self.fail_pending(EndpointClosed(f"{self.name} closed"))
+        self._flush_releases()  # what is queued goes now; later ones are reclaimed when this process exits
+        for task in list(self._release_tasks):
+            task.cancel()
         self._chan.close()
         self._chan = None
+
+
+@dataclasses.dataclass(eq=False)
+class _ShmLink:
+    """What a client agreed with its server: ``send`` (the server maps our arena), ``resolver`` (we
+    map its reply slots; None: replies inline)."""
+
+    arena: Arena
+    send: bool
+    resolver: shm_mod.ReplyResolver | None
 
 
 __all__ = ["Client", "Server", "Handler", "Reply", "context", "hwm_for", "tune_malloc", "wait_sent", "PeerLost"]

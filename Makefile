@@ -27,6 +27,7 @@ test: setup
 bench: setup
 	$(PY) bench/transport.py
 	$(PY) bench/ps.py
+	$(PY) bench/allreduce.py
 	$(PY) bench/reply.py
 	$(PY) bench/hogbatch.py
 	$(PY) bench/hfta.py

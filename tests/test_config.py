@@ -35,7 +35,44 @@ def test_shipped_configs_load():
     """Every job config in conf/ loads and has the roles a job needs (hosts*.toml are hmp-emulate's host files)."""
     for path in sorted(p for p in (ROOT / "conf").glob("*.toml") if not p.name.startswith("hosts")):
         cfg = load(path)
-        assert cfg.scheduler and cfg.shards and cfg.workers, path
+        assert cfg.scheduler and cfg.workers, path
+        assert bool(cfg.shards) == (cfg.train.consistency != "allreduce"), path  # a ring job has no PS
+
+
+def test_allreduce_config_errors_name_the_key():
+    """An allreduce job with PS shards, unequal batch sizes, a non-static policy or a bad [collective] number is
+    refused naming the key; a PS job without shards too."""
+    base = """
+[train]
+consistency = "allreduce"
+{train}
+[collective]
+{collective}
+[[nodes]]
+id = "s"
+role = "scheduler"
+bind = "tcp://127.0.0.1:5555"
+[[nodes]]
+id = "w0"
+role = "cpu_worker"
+{worker}
+{extra}
+"""
+    cases = [
+        ({"extra": '[[nodes]]\nid = "ps0"\nrole = "ps"'}, "nodes", "no node with role 'ps'"),
+        ({"worker": "batch_size = 7"}, "nodes[1].batch_size", "equal slice"),
+        ({"train": 'policy = "hogbatch"'}, "train.policy", "lockstep"),
+        ({"collective": "bucket_bytes = 3"}, "collective.bucket_bytes", ">= 64"),
+        ({"collective": "timeout_s = -1"}, "collective.timeout_s", ">= 0"),
+        ({"collective": "piece = 5"}, "collective.piece", "unknown key"),
+    ]
+    for fill, key, words in cases:
+        text = base.format(**{"train": "", "collective": "", "worker": "", "extra": "", **fill})
+        with pytest.raises(ConfigError) as info:
+            loads(text, "ring.toml")
+        assert info.value.key == key and words in str(info.value) and "ring.toml" in str(info.value), (fill, info.value)
+    with pytest.raises(ConfigError, match="at least one node with role 'ps'"):
+        loads(base.format(train="", collective="", worker="", extra="").replace('"allreduce"', '"sync"'), "x.toml")
 
 
 def test_local_default_topology():

@@ -22,7 +22,7 @@ import uvloop  # noqa: E402  (after the handlers above, on purpose)
 
 from hmp import log as hmp_log  # noqa: E402
 from hmp import job  # noqa: E402
-from hmp.config import Role  # noqa: E402
+from hmp.config import Consistency, Role  # noqa: E402
 from hmp.errors import ConfigError, HmpError  # noqa: E402
 
 
@@ -67,6 +67,9 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         elif role == Role.PS:
             from hmp.nodes.ps_shard import PSShardNode
             node = PSShardNode(cfg, args.id, resume=args.resume)
+        elif cfg.train.consistency == Consistency.ALLREDUCE:  # no PS: the workers' ring
+            from hmp.nodes.ring_worker import RingWorkerNode
+            node = RingWorkerNode(cfg, args.id)
         elif cfg.placement.enabled:  # a pipeline job: the worker runs the stage it is assigned
             from hmp.nodes.stage_worker import StageWorkerNode
             node = StageWorkerNode(cfg, args.id)

@@ -1,0 +1,35 @@
+"""The collective's errors (subclasses of :class:`hmp.errors.HmpError`; they live here, not in
+``hmp/errors.py``, so that this package stays self-contained: move them there if other layers
+come to need them).
+
+::
+
+    HmpError
+    └── RingError       the collective cannot be used as asked (closed, aborted by the caller)
+        └── RingBroken  an operation cannot complete because of one member: no progress within
+                        ``timeout_s`` (dead, partitioned or stuck), or it refused a piece
+"""
+
+from __future__ import annotations
+
+from hmp.errors import HmpError
+
+
+class RingError(HmpError):
+    """The ring cannot run the operation (closed, aborted)."""
+
+
+class RingBroken(RingError):
+    """An all-reduce cannot complete because of member ``member`` (its rank; ``address`` its server).
+
+    ``code`` says how: ``"timeout"`` (no progress for ``timeout_s``: the member is dead, stuck or
+    unreachable), ``"closed"`` (our connection to it closed), or the error code the member answered
+    one of our pieces with (``"stale_ring"``, ``"bad_piece"``, ``"ring_aborted"``, ...).
+    """
+
+    def __init__(self, message: str, *, member: int, address: str = "", code: str = "timeout") -> None:
+        super().__init__(message)
+        self.member, self.address, self.code = member, address, code
+
+
+__all__ = ["RingBroken", "RingError"]

@@ -1,0 +1,699 @@
+"""Ring all-reduce over hmp's transport (docs/collective.md has the whole story and the figures).
+
+One :class:`Ring` is one member's place in a ring of ``N`` processes, all running the same
+sequence of :meth:`Ring.all_reduce` calls (``op`` numbers they agree on). Every member owns a
+:class:`~hmp.transport.endpoint.Server` (the caller's: a daemon's) and routes :data:`Kind.RING
+<hmp.messages.Kind>` to :meth:`Ring.on_piece` (or to a :class:`RingHost`, which follows ring
+generations); the ring opens its own :class:`~hmp.transport.endpoint.Client` s to the members it
+sends to.
+
+Algorithms (picked per call from the tensor's size, the same way on every member):
+
+* **ring** (bandwidth-optimal): the tensor is cut into ``N`` segments; ``N - 1`` reduce-scatter
+  steps leave segment ``(r + 1) % N`` fully summed on member ``r``, ``N - 1`` all-gather steps
+  copy every summed segment around. Each member sends ``2 (N - 1) / N`` of the tensor's bytes.
+  Segments travel in pieces of ``piece_bytes``, pipelined: piece ``j`` of step ``s + 1`` leaves as
+  soon as piece ``j`` of step ``s`` was received and reduced, not when the whole segment was.
+* **small** (latency-optimal, one step): when ``nbytes * (N - 1) <= small_bytes`` every member
+  sends its whole tensor to every other member, and each sums the ``N`` contributions in rank order.
+
+Both give bit-identical results on every member: in the ring each segment is summed at one place
+in a fixed order and then only copied; in the small algorithm every member adds the same
+contributions in the same (rank) order.
+
+Zero-copy. A piece is a :class:`~hmp.messages.RingPiece` *request* whose ``values`` is a slice
+view of the tensor (no copy on the way out). On the way in, the codec decodes it as a view over
+the received frame and the handler reduces straight from it into the destination
+(``tensor[lo:hi].add_(piece)``, ``copy_`` in the all-gather): the member's own tensor is the
+preallocated receive buffer, and the only copy of the bytes is the transport's into its frame.
+The reply (:class:`~hmp.messages.Ack`) means "done reading": the sender does not write a region
+again until every request that carried it was answered (the shared-memory transport relies on
+this), and :meth:`Ring.all_reduce` returns only once every piece it sent was answered and every
+piece it expects was consumed.
+
+Ordering. A member may receive pieces of an operation it has not started (its neighbour is
+ahead): their handlers wait (the request stays unanswered, its frame is the buffer) until
+``all_reduce(op)`` starts here, for at most ``timeout_s``, and for at most ``max_ops_ahead``
+distinct future operations (more: error reply ``too_far_ahead``). Operations must start in
+increasing ``op`` order on each member; several may run at once.
+
+Failures never hang: every wait is bounded by ``timeout_s`` of no progress, after which the
+operation raises :class:`~hmp.collective.errors.RingBroken` naming the member it waits for. Any
+failed operation aborts the ring (the members' tensors no longer agree); so does :meth:`Ring.abort`,
+which the caller uses when it learns that a member is gone. A new ring (a new *generation*) is
+then built; pieces of an older generation get the error reply ``stale_ring``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from hmp.collective.errors import RingBroken, RingError
+from hmp.collective.staging import Staging, host_buffer, side_stream
+from hmp.errors import EndpointClosed, RemoteError, RequestError, RequestTimeout
+from hmp.messages import Ack, Message, RingPiece
+from hmp.transport.codec import DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, DTYPES, Limits
+from hmp.transport.eager import start_eager
+from hmp.transport.endpoint import Client
+
+#: Pipelining granularity: one piece is one request and one frame (a view on both ends). 2 MiB, not
+#: the 1 MiB first planned: over TCP each piece costs ~150-200 us of CPU in the transport (request,
+#: reply, wake-ups) on top of its bytes, and on the 2-core machine the ring is CPU-bound; 1 MiB pieces
+#: ran 2 processes x 16 MiB at 27 ms per all-reduce, 2 MiB at 20 ms, 4 MiB at 24 ms (pipelining
+#: suffers); see docs/collective.md.
+DEFAULT_PIECE_BYTES = 2 << 20
+#: At or below this many bytes sent per member (``nbytes * (N - 1)``), the one-step algorithm.
+DEFAULT_SMALL_BYTES = 256 << 10
+#: ``RingPiece.step`` of the small algorithm (``part`` is then the sender's rank).
+SMALL_STEP = -1
+
+_ACK = Ack()
+#: An aborted ring's error replies name the member it blames, so that the blame travels around:
+#: a member whose piece is refused by a neighbour that gave up on member k blames k too.
+_BLAME = re.compile(r"\[member=(\d+)\]")
+_REDUCIBLE = frozenset(d for d in DTYPES.values() if d is not torch.bool)
+log = structlog.get_logger("hmp.collective")
+
+
+def _wake(fut: asyncio.Future | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """How a tensor of ``numel`` elements is cut: ``members`` segments, pieces of ``per_piece``.
+
+    Segment ``i`` is elements ``[starts[i], starts[i + 1])`` with ``starts[i] = i * numel // members``
+    (sizes differ by at most one; some are empty when ``numel < members``); it travels as
+    ``counts[i]`` pieces, piece ``j`` being ``region(i, j)``.
+    """
+
+    members: int
+    numel: int
+    per_piece: int
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, members: int, numel: int, per_piece: int) -> Plan:
+        starts = tuple(i * numel // members for i in range(members + 1))
+        counts = tuple(-(-(starts[i + 1] - starts[i]) // per_piece) for i in range(members))
+        return cls(members, numel, per_piece, starts, counts)
+
+    def region(self, segment: int, piece: int) -> tuple[int, int]:
+        lo = self.starts[segment] + piece * self.per_piece
+        return lo, min(lo + self.per_piece, self.starts[segment + 1])
+
+
+class _Op:
+    """One running all-reduce on this member."""
+
+    __slots__ = ("op", "work", "small", "plan", "stage", "loop", "error", "done", "cond", "last_progress",
+                 "seen", "expected", "received", "inflight", "queue", "sends", "pump_blocked", "contrib", "got",
+                 "consumed", "unanswered")
+
+    def __init__(self, op: int, work: torch.Tensor, small: bool, plan: Plan | None, stage: Staging | None,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.op, self.work, self.small, self.plan, self.stage, self.loop = op, work, small, plan, stage, loop
+        self.error: BaseException | None = None
+        self.done: asyncio.Future = loop.create_future()  # woken when cond() holds or on failure
+        self.cond: Callable[[], bool] = lambda: False
+        self.last_progress = loop.time()
+        self.inflight = 0  # requests sent, not yet answered
+        # ring algorithm
+        self.seen: set[tuple[int, int]] = set()
+        self.expected = 0
+        self.received = 0
+        self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
+        self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
+        self.pump_blocked: asyncio.Future | None = None
+        # small algorithm
+        self.contrib: list[Any] | None = None
+        self.got = 0
+        self.consumed: asyncio.Future = loop.create_future()
+        self.unanswered: collections.Counter[int] = collections.Counter()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        _wake(self.done)
+        _wake(self.consumed)
+        _wake(self.pump_blocked)
+
+
+class Ring:
+    """One member (``rank``) of a ring over ``addresses`` (every member's server, in rank order).
+
+    ``generation`` numbers this ring among the rings the job forms over time (a new one after a
+    member is lost); ``name`` is this member's sender id. ``piece_bytes`` is the pipelining
+    granularity; ``small_bytes`` the threshold of the one-step algorithm (``nbytes * (N - 1) <=
+    small_bytes``); ``timeout_s`` the longest wait without progress; ``window`` caps the pieces one
+    operation has in flight to the next member (None: as many as are ready); ``max_ops_ahead`` the
+    distinct operations not started here whose early pieces may wait (keep it above the number of
+    all-reduces a member runs without waiting for the others, e.g. one step's buckets). Every member must use the
+    same ``piece_bytes`` and ``small_bytes``. ``stage``: run the algorithm on a host copy of the
+    tensor (None: for tensors not on the CPU, i.e. CUDA; True also for CPU tensors, which tests use).
+    """
+
+    def __init__(self, *, rank: int, addresses: Sequence[str], generation: int, name: str = "ring",
+                 limits: Limits = DEFAULT_LIMITS, piece_bytes: int = DEFAULT_PIECE_BYTES,
+                 small_bytes: int = DEFAULT_SMALL_BYTES, timeout_s: float = 60.0, window: int | None = None,
+                 max_ops_ahead: int = 32, frame_bytes: int = DEFAULT_FRAME_BYTES, stage: bool | None = None,
+                 ctx: Any = None) -> None:
+        addresses = tuple(addresses)
+        if not addresses or not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError(f"addresses must be a non-empty sequence of server addresses, got {addresses!r}")
+        if not 0 <= rank < len(addresses):
+            raise ValueError(f"rank {rank} is not in 0..{len(addresses) - 1}")
+        if piece_bytes < 1 or piece_bytes > min(frame_bytes, limits.max_message_bytes):
+            raise ValueError(f"piece_bytes must be in 1..{min(frame_bytes, limits.max_message_bytes)} "
+                             f"(one frame, one message), got {piece_bytes}")
+        if small_bytes < 0 or timeout_s <= 0 or max_ops_ahead < 1 or (window is not None and window < 1):
+            raise ValueError("small_bytes must be >= 0, timeout_s > 0, max_ops_ahead >= 1 and window None or >= 1")
+        self.rank, self.addresses, self.size, self.generation = rank, addresses, len(addresses), generation
+        self.name, self.limits, self.frame_bytes, self.ctx = name, limits, frame_bytes, ctx
+        self.piece_bytes, self.small_bytes, self.timeout_s = piece_bytes, small_bytes, timeout_s
+        self.window, self.max_ops_ahead, self.stage = window, max_ops_ahead, stage
+        self.next, self.prev = (rank + 1) % self.size, (rank - 1) % self.size
+        self._clients: dict[int, Client] = {}
+        self._ops: dict[int, _Op] = {}
+        self._early: dict[int, asyncio.Future] = {}  # op not started here -> woken when it starts
+        self._last_op: int | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._streams: dict = {}
+        self._hosts: dict[tuple, list[torch.Tensor]] = {}
+        self.stats = {"ops": 0, "ring_ops": 0, "small_ops": 0, "pieces_sent": 0, "pieces_received": 0,
+                      "bytes_sent": 0, "bytes_received": 0, "early_pieces": 0, "refused": 0,
+                      "staged_in": 0, "staged_out": 0}
+        self.log = log.bind(node=name, ring=generation, rank=rank)
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def __aenter__(self) -> Ring:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Open a client to every other member (the ring sends to the next; the small algorithm to all)."""
+        if self._clients or self.size == 1:
+            return
+        for m, address in enumerate(self.addresses):
+            if m == self.rank:
+                continue
+            # The request timeout is a backstop: the progress watchdog (timeout_s) fires first.
+            client = Client(address, name=f"{self.name}->{m}", limits=self.limits, frame_bytes=self.frame_bytes,
+                            timeout_s=2 * self.timeout_s, ctx=self.ctx)
+            await client.connect()
+            self._clients[m] = client
+
+    async def close(self) -> None:
+        """Fail what still runs (``RingError``), close the clients; the ring is unusable afterwards."""
+        if self._closed:
+            return
+        if self._error is None:
+            self.abort(RingError(f"{self.name}: ring generation {self.generation} closed"))
+        self._closed = True
+        for client in self._clients.values():
+            await client.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the ring is unusable (abort, a failed operation, close), or None."""
+        return self._error
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail the running operations and every later one with ``exc``; never blocks.
+
+        Pieces waiting here are answered ``ring_aborted``, our requests still unanswered fail at
+        once. The tensors of the failed operations hold unspecified values (some members may
+        have finished them): the caller must not use them, and forms a new ring generation.
+        """
+        if self._error is None:
+            self._error = exc
+            if self._ops:
+                self.log.warning("ring_aborted", error=str(exc), ops=sorted(self._ops))
+        for o in list(self._ops.values()):
+            o.fail(exc)
+        for fut in self._early.values():
+            _wake(fut)
+        self._early.clear()
+        for client in self._clients.values():
+            client.fail_pending(exc)
+
+    # ------------------------------------------------------------------ all-reduce
+
+    def algorithm(self, tensor: torch.Tensor) -> str:
+        """``"small"``, ``"ring"`` or ``"none"`` (one member or no elements): what all_reduce would run."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.size == 1 or nbytes == 0:
+            return "none"
+        return "small" if nbytes * (self.size - 1) <= self.small_bytes else "ring"
+
+    async def all_reduce(self, tensor: torch.Tensor, op: int) -> torch.Tensor:
+        """Sum the 1-D contiguous ``tensor`` in place over all members; returns it.
+
+        ``op`` is the operation's number, the same on every member and increasing from call to
+        call. Raises :class:`RingBroken` (no progress for ``timeout_s``, or a member refused a
+        piece), the exception given to :meth:`abort`, or ``RingError`` once closed.
+        """
+        if self._error is not None:
+            raise self._error
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in _REDUCIBLE:
+            raise TypeError(f"cannot sum {tensor.dtype} tensors; expected one of "
+                            f"{sorted(str(d).removeprefix('torch.') for d in _REDUCIBLE)}")
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"expected a 1-D contiguous tensor, got shape {list(tensor.shape)} "
+                             f"strides {list(tensor.stride())}")
+        if self._last_op is not None and op <= self._last_op:
+            raise ValueError(f"op {op} after op {self._last_op}: operations must increase on every member")
+        if self.size > 1 and not self._clients:
+            raise RingError(f"{self.name}: call connect() before all_reduce()")
+        if self.stage is False and tensor.device.type != "cpu":
+            raise ValueError(f"stage=False but the tensor is on {tensor.device}")
+        staged = tensor.device.type != "cpu" or self.stage is True
+        self._last_op = op
+        self.stats["ops"] += 1
+        algo = self.algorithm(tensor)
+        if algo == "none":
+            _wake(self._early.pop(op, None))  # pieces for it make no sense: they get stale_op
+            return tensor
+        loop = asyncio.get_running_loop()
+        result, tensor = tensor, tensor.detach()
+        n = tensor.numel()
+        work, stage = tensor, None
+        if staged:
+            work = self._take_host(n, tensor.dtype, pin=tensor.is_cuda)
+            stage = Staging(tensor, work, self._copier_pool(), loop, side_stream(tensor.device, self._streams))
+        per_piece = max(1, self.piece_bytes // tensor.element_size())
+        o = _Op(op, work, algo == "small", None if algo == "small" else Plan.of(self.size, n, per_piece), stage, loop)
+        self._ops[op] = o
+        _wake(self._early.pop(op, None))  # early pieces of this op go on now
+        ok = False
+        try:
+            if o.small:
+                self.stats["small_ops"] += 1
+                await self._run_small(o)
+            else:
+                self.stats["ring_ops"] += 1
+                await self._run_ring(o)
+            ok = True
+        except asyncio.CancelledError:
+            # The others cannot finish this operation without us: the ring is broken for everyone.
+            self.abort(RingError(f"{self.name}: all_reduce of op {op} was cancelled"))
+            raise
+        finally:
+            self._ops.pop(op, None)
+            if stage is not None:
+                self.stats["staged_in"] += stage.copies_in
+                self.stats["staged_out"] += stage.copies_out
+            if staged and ok:  # after a failure the copier or the transport may still hold it: dropped
+                self._give_host(work)
+        return result
+
+    async def _watch(self, o: _Op, cond: Callable[[], bool]) -> None:
+        """Until ``cond()`` holds; RingBroken after ``timeout_s`` without progress; re-raises a failure."""
+        o.cond = cond
+        loop = o.loop
+        while o.error is None and not cond():
+            left = o.last_progress + self.timeout_s - loop.time()
+            if left <= 0:
+                self._fail(self._stalled(o))
+                break
+            if o.done.done():
+                o.done = loop.create_future()
+            await asyncio.wait({o.done}, timeout=left)
+        if o.error is not None:
+            raise o.error
+
+    def _check(self, o: _Op) -> None:
+        if o.stage is not None and o.stage.error is not None and o.error is None:
+            self._fail(RingError(f"{self.name}: staging op {o.op} failed: {o.stage.error!r}"))
+        if o.cond():
+            _wake(o.done)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.abort(exc)
+
+    def _stalled(self, o: _Op) -> RingBroken:
+        if o.small:
+            missing = [m for m in range(self.size) if m != self.rank and (o.contrib is None or o.contrib[m] is None)]
+            if o.got < self.size - 1 and missing:
+                member, what = missing[0], "its contribution"
+            else:
+                member = min(o.unanswered, default=self.next)
+                what = "the answer to our contribution"
+        elif o.inflight > 0:
+            member, what = self.next, f"answers to {o.inflight} pieces"
+        else:
+            member, what = self.prev, f"{o.expected - o.received} pieces"
+        return RingBroken(f"{self.name}: op {o.op} made no progress for {self.timeout_s} s; waiting for member "
+                          f"{member} ({self.addresses[member]}): {what}", member=member,
+                          address=self.addresses[member], code="timeout")
+
+    def _broken_by(self, member: int, exc: BaseException) -> BaseException:
+        if self._error is not None:
+            return self._error
+        if isinstance(exc, RemoteError):
+            code, what = exc.code, f"refused a piece: {exc.code}: {exc.remote_message}"
+            blamed = _BLAME.search(exc.remote_message) if exc.code == "ring_aborted" else None
+            if blamed is not None and int(blamed[1]) < self.size and int(blamed[1]) != self.rank:
+                member = int(blamed[1])  # our neighbour gave up on that member: so do we
+        elif isinstance(exc, RequestTimeout):
+            code, what = "timeout", str(exc)
+        elif isinstance(exc, EndpointClosed):
+            code, what = "closed", str(exc)
+        else:
+            code, what = "error", f"{exc.__class__.__name__}: {exc}"
+        return RingBroken(f"{self.name}: member {member} ({self.addresses[member]}) {what}", member=member,
+                          address=self.addresses[member], code=code)
+
+    # ------------------------------------------------------------------ sending
+
+    async def _send(self, o: _Op, member: int, msg: RingPiece) -> None:
+        """One piece as a request; never raises (a failure fails the ring)."""
+        o.inflight += 1
+        o.unanswered[member] += 1
+        try:
+            await self._clients[member].request(msg)
+        except Exception as exc:  # noqa: BLE001 - the ring fails with a named error instead
+            o.inflight -= 1
+            if o.error is None:
+                self._fail(self._broken_by(member, exc))
+            return
+        o.inflight -= 1
+        o.unanswered[member] -= 1
+        o.last_progress = o.loop.time()
+        stats = self.stats
+        stats["pieces_sent"] += 1
+        stats["bytes_sent"] += msg.values.numel() * msg.values.element_size()
+        if o.error is None:
+            if o.queue:
+                self._pump(o)
+            self._check(o)
+
+    def _pump(self, o: _Op) -> None:
+        """Send the ready pieces, in order, while the window allows."""
+        q, window, size = o.queue, self.window, self.size
+        plan = o.plan
+        assert plan is not None
+        while q and o.error is None and (window is None or o.inflight < window):
+            step, j = q[0]
+            seg = (self.rank - step) % size
+            if step == 0 and o.stage is not None:  # our own data: wait for its copy from the device
+                fut = o.stage.ready((seg, j))
+                if fut is not None:
+                    if o.pump_blocked is not fut:
+                        o.pump_blocked = fut
+                        fut.add_done_callback(lambda _f: self._unblock(o))
+                    return
+                if o.stage.error is not None:
+                    self._check(o)
+                    return
+            q.popleft()
+            lo, hi = plan.region(seg, j)
+            msg = RingPiece(ring=self.generation, op=o.op, step=step, part=j, values=o.work[lo:hi], sender=self.name)
+            task = start_eager(self._send(o, self.next, msg), o.loop)
+            if task is not None:
+                o.sends[(seg, j)] = task
+
+    def _unblock(self, o: _Op) -> None:
+        o.pump_blocked = None
+        if o.error is None:
+            self._pump(o)
+
+    async def _run_ring(self, o: _Op) -> None:
+        plan, size, rank = o.plan, self.size, self.rank
+        assert plan is not None
+        steps = 2 * size - 2
+        o.expected = sum(plan.counts[(rank - t - 1) % size] for t in range(steps))
+        if o.stage is not None:
+            # In the order the ring needs them: what we send at step 0, then what we receive, by step.
+            order = [(rank - t) % size for t in range(size)]
+            o.stage.start([((seg, j), *plan.region(seg, j)) for seg in order for j in range(plan.counts[seg])])
+        o.queue.extend((0, j) for j in range(plan.counts[rank]))
+        self._pump(o)
+        stage = o.stage
+        await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not o.queue
+                                      and (stage is None or stage.pending_out == 0)))
+
+    async def _run_small(self, o: _Op) -> None:
+        size, work = self.size, o.work
+        o.contrib = [None] * size
+        if o.stage is not None:
+            o.stage.start([((0, 0), 0, work.numel())])
+            fut = o.stage.ready((0, 0))
+            if fut is not None:
+                fut.add_done_callback(lambda _f: self._check(o))
+            await self._watch(o, lambda: o.stage.ready((0, 0)) is None)  # type: ignore[union-attr]
+            self._check(o)
+            if o.error is not None:
+                raise o.error
+        for m in range(size):
+            if m != self.rank:
+                msg = RingPiece(ring=self.generation, op=o.op, step=SMALL_STEP, part=self.rank, values=work,
+                                sender=self.name)
+                start_eager(self._send(o, m, msg), o.loop)
+        await self._watch(o, lambda: o.got == size - 1)
+        contrib = o.contrib
+        contrib[self.rank] = work
+        total = contrib[0].clone()  # in rank order on every member: bit-identical results
+        for c in contrib[1:]:
+            total.add_(c)
+        o.contrib = None  # the received frames may go
+        _wake(o.consumed)  # our handlers answer the contributions now
+        await self._watch(o, lambda: o.inflight == 0)  # nobody reads our tensor any more
+        work.copy_(total)
+        if o.stage is not None:
+            o.stage.write_back(0, work.numel(), lambda: self._check(o))
+            await self._watch(o, lambda: o.stage.pending_out == 0)  # type: ignore[union-attr]
+            self._check(o)
+            if o.error is not None:
+                raise o.error
+
+    # ------------------------------------------------------------------ receiving
+
+    async def on_piece(self, msg: RingPiece, peer: bytes) -> Message:
+        """The server's handler for :data:`Kind.RING`: returns the :class:`Ack` once the piece is consumed."""
+        if msg.ring != self.generation:
+            if msg.ring < self.generation:
+                raise RequestError(f"{self.name}: piece of ring generation {msg.ring}; this ring is generation "
+                                   f"{self.generation}", "stale_ring")
+            raise RequestError(f"{self.name}: piece of ring generation {msg.ring}, newer than this ring's "
+                               f"{self.generation}", "ring_ahead")
+        if self._error is not None:
+            raise self._aborted(self._error)
+        o = self._ops.get(msg.op)
+        if o is None:
+            o = await self._wait_start(msg)
+        if o.small:
+            return await self._take_small(o, msg)
+        return await self._take_ring(o, msg)
+
+    def _aborted(self, exc: BaseException) -> RequestError:
+        blame = f" [member={exc.member}]" if isinstance(exc, RingBroken) else ""
+        return RequestError(f"{self.name}: ring aborted{blame}: {exc}", "ring_aborted")
+
+    def _refuse(self, msg: RingPiece, why: str, o: _Op | None = None, member: int | None = None) -> RequestError:
+        """A piece that makes no sense. Inside a running operation the members disagree (sizes,
+        dtypes, thresholds): the operation cannot be right, so it fails (RingBroken)."""
+        self.stats["refused"] += 1
+        text = f"{self.name}: op {msg.op} step {msg.step} part {msg.part}: {why}"
+        if o is not None and o.error is None and member is not None:
+            self._fail(RingBroken(f"{text} (from member {member})", member=member,
+                                  address=self.addresses[member], code="bad_piece"))
+        return RequestError(text, "bad_piece")
+
+    async def _wait_start(self, msg: RingPiece) -> _Op:
+        """An early piece: wait (bounded) until all_reduce(msg.op) starts here."""
+        size = self.size
+        if not (msg.step == SMALL_STEP or 0 <= msg.step < 2 * size - 2) or msg.part < 0:
+            raise self._refuse(msg, f"no such step or part in a ring of {size}")
+        if self._last_op is not None and msg.op <= self._last_op:
+            self.stats["refused"] += 1
+            raise RequestError(f"{self.name}: op {msg.op} is not running here (last started: {self._last_op})",
+                               "stale_op")
+        fut = self._early.get(msg.op)
+        if fut is None:
+            if len(self._early) >= self.max_ops_ahead:
+                self.stats["refused"] += 1
+                raise RequestError(f"{self.name}: op {msg.op} is more than {self.max_ops_ahead} operations ahead "
+                                   f"(waiting for ops {sorted(self._early)})", "too_far_ahead")
+            fut = self._early[msg.op] = asyncio.get_running_loop().create_future()
+        self.stats["early_pieces"] += 1
+        done, _ = await asyncio.wait({fut}, timeout=self.timeout_s)
+        if self._error is not None:
+            raise self._aborted(self._error)
+        if not done:
+            if self._early.get(msg.op) is fut:
+                del self._early[msg.op]
+            raise RequestError(f"{self.name}: op {msg.op} did not start here within {self.timeout_s} s", "timeout")
+        o = self._ops.get(msg.op)
+        if o is None:  # over already, or nothing to exchange (one member, no elements)
+            raise RequestError(f"{self.name}: op {msg.op} is not running here", "stale_op")
+        return o
+
+    async def _take_ring(self, o: _Op, msg: RingPiece) -> Message:
+        size, step, j = self.size, msg.step, msg.part
+        if not 0 <= step < 2 * size - 2:
+            raise self._refuse(msg, "not a ring step (the members disagree on the algorithm)", o, self.prev)
+        plan = o.plan
+        assert plan is not None
+        seg = (self.rank - step - 1) % size
+        if not 0 <= j < plan.counts[seg]:
+            raise self._refuse(msg, f"segment {seg} has {plan.counts[seg]} pieces", o, self.prev)
+        lo, hi = plan.region(seg, j)
+        v = msg.values
+        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
+            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, self.prev)
+        key = (step, j)
+        if key in o.seen:
+            raise self._refuse(msg, "duplicate piece")
+        o.seen.add(key)
+        # Before writing the region: our earlier send of it must be answered (the receiver is done
+        # reading it), and on the first write its device copy must have landed in the host buffer.
+        sent = o.sends.get((seg, j))
+        if sent is not None and not sent.done():
+            await asyncio.wait({sent})
+        if o.stage is not None and step < size - 1:
+            fut = o.stage.ready((seg, j))
+            if fut is not None:
+                await asyncio.wait({fut})
+            self._check(o)
+        if o.error is not None:
+            raise self._aborted(o.error)
+        dst = o.work[lo:hi]
+        if step < size - 1:
+            dst.add_(v)  # reduce-scatter: straight from the received frame into the tensor
+        else:
+            dst.copy_(v)  # all-gather
+        o.received += 1
+        o.last_progress = o.loop.time()
+        stats = self.stats
+        stats["pieces_received"] += 1
+        stats["bytes_received"] += (hi - lo) * v.element_size()
+        if step >= size - 2 and o.stage is not None:  # final from now on: back to the device
+            o.stage.write_back(lo, hi, lambda: self._check(o))
+        if step + 1 < 2 * size - 2:  # forward it (pipelining: this piece only, now)
+            o.queue.append((step + 1, j))
+            self._pump(o)
+        self._check(o)
+        return _ACK
+
+    async def _take_small(self, o: _Op, msg: RingPiece) -> Message:
+        src = msg.part
+        if msg.step != SMALL_STEP or not 0 <= src < self.size or src == self.rank:
+            member = src if 0 <= src < self.size and src != self.rank else self.prev
+            raise self._refuse(msg, "not a contribution of another member (the members disagree on the "
+                               "algorithm)", o, member)
+        v = msg.values
+        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != o.work.shape[0]:
+            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{o.work.shape[0]}]",
+                               o, src)
+        if o.contrib is None or o.contrib[src] is not None:
+            raise self._refuse(msg, "duplicate contribution")
+        o.contrib[src] = v  # held (a view over its frame) until every contribution is in
+        o.got += 1
+        o.last_progress = o.loop.time()
+        self.stats["pieces_received"] += 1
+        self.stats["bytes_received"] += v.numel() * v.element_size()
+        self._check(o)
+        await asyncio.wait({o.consumed})
+        if o.error is not None:
+            raise self._aborted(o.error)
+        return _ACK
+
+    # ------------------------------------------------------------------ staging buffers
+
+    def _copier_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-copy")
+        return self._copier
+
+    def _take_host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        free = self._hosts.get((numel, dtype, pin))
+        return free.pop() if free else host_buffer(numel, dtype, pin)
+
+    def _give_host(self, host: torch.Tensor) -> None:
+        self._hosts.setdefault((host.numel(), host.dtype, host.is_pinned()), []).append(host)
+
+
+class RingHost:
+    """Routes :data:`Kind.RING` to the current ring, across ring generations.
+
+    The daemon registers ``host.on_piece`` as its server's handler once and :meth:`install` s each
+    new :class:`Ring` (or :meth:`retire` s the generation when it is not a member of the new ring).
+    A piece of the current generation goes to the ring; of an older one, error ``stale_ring``; of a
+    newer one (a neighbour heard of the new ring first) it waits up to ``timeout_s`` for the
+    install, at most ``max_waiting`` generations at once, else error ``unknown_ring``.
+    """
+
+    def __init__(self, *, timeout_s: float = 60.0, max_waiting: int = 4) -> None:
+        self.ring: Ring | None = None
+        self.timeout_s, self.max_waiting = timeout_s, max_waiting
+        self._newest: int | None = None
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    @property
+    def generation(self) -> int | None:
+        """The newest generation installed or retired (None before the first)."""
+        return self._newest
+
+    def install(self, ring: Ring) -> Ring | None:
+        """Make ``ring`` current; returns the previous ring (the caller aborts or closes it)."""
+        return self._switch(ring.generation, ring)
+
+    def retire(self, generation: int) -> Ring | None:
+        """Generation ``generation`` exists but this member is not in it: older pieces are stale."""
+        return self._switch(generation, None)
+
+    def _switch(self, generation: int, ring: Ring | None) -> Ring | None:
+        if self._newest is not None and generation <= self._newest:
+            raise ValueError(f"ring generation {generation} is not newer than {self._newest}")
+        old, self.ring, self._newest = self.ring, ring, generation
+        for g in [g for g in self._waiting if g <= generation]:
+            _wake(self._waiting.pop(g))
+        return old
+
+    async def on_piece(self, msg: RingPiece, peer: bytes) -> Message:
+        ring = self.ring
+        if ring is not None and msg.ring == ring.generation:
+            return await ring.on_piece(msg, peer)
+        if self._newest is not None and msg.ring <= self._newest:
+            raise RequestError(f"piece of ring generation {msg.ring}; the current one is {self._newest}", "stale_ring")
+        fut = self._waiting.get(msg.ring)
+        if fut is None:
+            if len(self._waiting) >= self.max_waiting:
+                raise RequestError(f"ring generation {msg.ring} is unknown here", "unknown_ring")
+            fut = self._waiting[msg.ring] = asyncio.get_running_loop().create_future()
+        await asyncio.wait({fut}, timeout=self.timeout_s)
+        ring = self.ring
+        if ring is not None and msg.ring == ring.generation:
+            return await ring.on_piece(msg, peer)
+        if self._newest is not None and msg.ring <= self._newest:
+            raise RequestError(f"piece of ring generation {msg.ring}; the current one is {self._newest}", "stale_ring")
+        if self._waiting.get(msg.ring) is fut:
+            del self._waiting[msg.ring]
+        raise RequestError(f"ring generation {msg.ring} was not installed here within {self.timeout_s} s",
+                           "unknown_ring")
+
+
+__all__ = ["DEFAULT_PIECE_BYTES", "DEFAULT_SMALL_BYTES", "SMALL_STEP", "Plan", "Ring", "RingHost"]

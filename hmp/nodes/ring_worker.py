@@ -1,0 +1,356 @@
+"""The worker daemon of an allreduce job (``[train] consistency = "allreduce"``): no PS, a ring.
+
+Every worker holds a full replica of the model in flat buffers (:mod:`hmp.flat`) and runs the
+same optimizer on it (the PS's chunk optimizers, over each whole flat buffer). Per step:
+
+1. forward and backward on this worker's part of the global batch, on the compute thread. As
+   backward produces a bucket of gradients (:class:`~hmp.collective.buckets.GradientBuckets`,
+   reverse parameter order), its hook hands the bucket to the event loop, which starts its
+   all-reduce at once: communication overlaps the rest of the backward pass;
+2. meanwhile a small all-reduce carries the step's *control* values: stop votes, loss, samples;
+3. once every bucket is summed, the gradient is the global batch's mean (each worker scaled its
+   loss by its share of the global batch), and the optimizer steps, on the compute thread.
+
+The sums are bit-identical on every member (:mod:`hmp.collective.ring`), so the replicas stay
+bit-identical. Stopping is agreed: a worker asked to stop (the scheduler's report reply, a
+signal, the epochs used up) votes in a step's control all-reduce, and every member stops after
+that same step.
+
+A lost member: the scheduler re-forms the ring from the survivors and sends each a
+``ring_assign``; the step in flight fails (``RingBroken``: the abort, or the collective timeout
+``[collective] timeout_s``) and is dropped. The survivors then *resync* over the new ring: they
+sum a vector of their completed steps; when they differ (a member that died mid-step may have let
+some of them finish that step and not others), the lowest-ranked member with the most steps
+sends its parameters, optimizer state and data position to the others (an all-reduce in which
+the others contribute zeros), and everyone continues from that step.
+
+Data: each epoch's example order is the same on every worker (``ShuffledBatches`` with the data
+seed); a step takes the next ``members x batch_size`` examples of it and member ``r`` trains on
+the ``r``-th slice; the rest of an epoch shorter than a global batch is skipped (as DDP's
+``drop_last``). After a re-formed ring the same cursor goes on with the new member count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+import zlib
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from hmp import job
+from hmp.collective import GradientBuckets, Ring, RingBroken, RingError, RingHost
+from hmp.collective.resync import OPS as RESYNC_OPS
+from hmp.collective.resync import resync
+from hmp.config import Config
+from hmp.data import ShuffledBatches
+from hmp.ema import ema
+from hmp.errors import HmpError, RequestError
+from hmp.messages import Ack, Kind, Message, Report, RingAssign
+from hmp.nodes.worker import WorkerNode
+from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
+from hmp.ps.sharding import ShardedModel
+from hmp.train.evaluate import evaluate
+from hmp.transport.shm import ShmSettings, open_process_arena
+
+def params_crc32(params: dict[str, torch.Tensor]) -> int:
+    """CRC-32 of the flat parameter buffers' bytes, in dtype order (a replica's fingerprint)."""
+    crc = 0
+    for d in sorted(params):
+        crc = zlib.crc32(params[d].detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+#: The control all-reduce's slots (float64): stop votes, loss x samples, samples.
+_VOTE, _LOSS, _SAMPLES = 0, 1, 2
+
+
+class RingWorkerNode(WorkerNode):
+    """A CPU or GPU worker of an allreduce job (module docstring)."""
+
+    def __init__(self, cfg: Config, node_id: str) -> None:
+        super().__init__(cfg, node_id)
+        c = cfg.collective
+        self.collective_timeout_s = c.timeout_s or cfg.limits.request_timeout_s
+        self.ring: Ring | None = None
+        # Routes ring pieces to the current ring; a piece of a newer generation (a neighbour heard of
+        # it first) waits for it, an older one is refused.
+        self.ring_host = RingHost(timeout_s=self.collective_timeout_s)
+        self.assigned: RingAssign | None = None  # the newest ring the scheduler told us of
+        self.ring_changed = asyncio.Event()  # a newer ring was assigned or built
+        self.epoch = 0
+        self.cursor = 0  # examples of this epoch's order the ring has used
+        self.resyncs = 0
+        self.bytes_out = 0.0
+        # Opened before the server starts (Node.run): the server and the ring's clients then offer shared
+        # memory to members on this host, and the flat gradient buffer lives in it (main()), so ring pieces
+        # to them carry a reference to the bucket, not its bytes (docs/shm.md).
+        self.arena = (open_process_arena(cfg.job.name, node_id, ShmSettings.of(cfg.shm))
+                      if cfg.shm.enabled and self.device.type == "cpu" else None)
+
+    def handlers(self):
+        return {**super().handlers(), Kind.RING: self.ring_host.on_piece, Kind.RING_ASSIGN: self.on_ring_assign}
+
+    def status(self) -> dict[str, Any]:
+        ring = self.ring
+        return {**super().status(), "ring": None if ring is None else
+                {"generation": ring.generation, "rank": ring.rank, "members": len(ring.addresses)}}
+
+    # ---------------------------------------------------------------- handlers
+    async def on_ring_assign(self, msg: RingAssign, peer: bytes) -> Message:
+        """The scheduler re-formed the ring: fail the step in flight; the loop builds the new ring."""
+        current = self.assigned.ring if self.assigned is not None else 0
+        if msg.ring <= current:
+            return Ack(detail=f"generation {msg.ring} is not newer than {current}")
+        if not 0 <= msg.rank < len(msg.members) == len(msg.addresses) or msg.members[msg.rank] != self.id:
+            raise RequestError(f"ring_assign does not place {self.id} at rank {msg.rank} of {list(msg.members)}",
+                               "bad_request")
+        self.log.info("ring_reformed", generation=msg.ring, rank=msg.rank, members=list(msg.members))
+        self.assigned = msg
+        if self.ring is not None:
+            self.ring.abort(RingBroken(f"the ring was re-formed as generation {msg.ring} ({len(msg.members)} members)",
+                                       member=-1, code="ring_reformed"))
+        self.ring_changed.set()
+        return Ack()
+
+    # ---------------------------------------------------------------- the ring
+    async def use_assigned_ring(self) -> Ring:
+        """Close the old ring, open the newest assigned one."""
+        a = self.assigned
+        assert a is not None
+        old, self.ring = self.ring, None
+        if old is not None:
+            self.bytes_out += old.stats["bytes_sent"]
+            await old.close()
+        c = self.cfg.collective
+        ring = Ring(rank=a.rank, addresses=list(a.addresses), generation=a.ring, name=self.id, limits=self.limits,
+                    piece_bytes=min(c.piece_bytes, self.cfg.limits.frame_bytes), small_bytes=c.small_bytes,
+                    timeout_s=self.collective_timeout_s, frame_bytes=self.cfg.limits.frame_bytes,
+                    max_ops_ahead=256)  # a step's buckets + 1 may all arrive early: bounded by the in-flight cap
+        await ring.connect()
+        self.ring_host.install(ring)
+        self.ring = ring
+        self.ring_changed.set()
+        return ring
+
+    # ---------------------------------------------------------------- main
+    async def main(self) -> None:
+        data = await self.in_thread(job.dataset, self.cfg)
+        replica = await self.in_thread(job.sharded_model, self.cfg, self.device)
+        if self.arena is not None:
+            replica.layout.move_grads(replica.model, replica.flat, self.arena.alloc)
+        welcome = await self.join()
+        if welcome is None:
+            return
+        self.start_heartbeat()
+        r = welcome.info["ring"]
+        self.assigned = RingAssign(ring=int(r["generation"]), members=tuple(r["members"]),
+                                   addresses=tuple(r["addresses"]), rank=int(r["rank"]))
+        self.batch_size = int(welcome.info.get("batch_size") or self.batch_size)
+        try:
+            await self.use_assigned_ring()
+            await self.train_ring(replica, data)
+        except Exception as exc:
+            self.failed = f"{exc.__class__.__name__}: {exc}"
+            raise
+        finally:
+            if not self.failed:
+                await self.send_ring_report(done=True)
+            if self.ring is not None:
+                self.bytes_out += self.ring.stats["bytes_sent"]
+                await self.ring.close()
+                self.ring = None
+            await self.leave(f"failed: {self.failed}" if self.failed else "done")
+
+    def ring_metrics(self) -> dict[str, float]:
+        wall = max(1e-9, time.monotonic() - self.t_train0) if self.t_train0 else 1e-9
+        ring = self.ring
+        return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
+                "batch_size": float(self.batch_size), "busy_s": self.busy_s, "resyncs": float(self.resyncs),
+                "ring_generation": float(ring.generation if ring else 0),
+                "bytes_out": self.bytes_out + (ring.stats["bytes_sent"] if ring else 0.0)}
+
+    async def send_ring_report(self, done: bool = False) -> None:
+        assert self.scheduler is not None
+        try:
+            reply = await self.scheduler.request(Report(metrics=self.ring_metrics(), done=done), timeout_s=10)
+        except HmpError as exc:
+            self.log.warning("report_failed", error=str(exc))
+            return
+        if getattr(reply, "stop", False):
+            self.stop_requested = True
+
+    async def train_ring(self, replica: ShardedModel, data: Any) -> None:
+        model, flat = replica.model, replica.flat
+        x, y = data.x_train, data.y_train
+        if self.device.type != "cpu":
+            x, y = x.to(self.device), y.to(self.device)
+        name, hyper = chunk_optimizer_of(self.cfg)
+        optimizers = {d: make_chunk_optimizer(name, p.numel(), dtype=p.dtype, device=p.device, **hyper)
+                      for d, p in flat.params.items()}
+        loop = asyncio.get_running_loop()
+        ops: dict[int, asyncio.Future] = {}
+        ready: dict[int, torch.Tensor] = {}
+        step_ops = {"base": 0}
+
+        def start_bucket(index: int, view: torch.Tensor) -> None:  # on the loop
+            # Bucket i is op base + i on every member, and a ring's ops start in increasing order: a
+            # bucket that completes before a lower-numbered one (a model whose backward does not run
+            # in reverse parameter order) waits for it.
+            ready[index] = view
+            ring = self.ring
+            while ring is not None and len(ops) in ready:
+                i = len(ops)
+                ops[i] = asyncio.ensure_future(ring.all_reduce(ready.pop(i), step_ops["base"] + i))
+
+        buckets = GradientBuckets(model, replica.layout, flat.grads,
+                                  lambda i, v: loop.call_soon_threadsafe(start_bucket, i, v),
+                                  bucket_bytes=self.cfg.collective.bucket_bytes)
+        n_ops = len(buckets) + 1  # the buckets, then the control all-reduce
+        order = ShuffledBatches(len(y), seed=self.cfg.data.seed)  # the same on every worker
+        t = self.cfg.train
+        self.start_clock(self.ring.rank if self.ring else 1)
+        self.log.info("training_allreduce", samples=len(y), batch_size=self.batch_size, buckets=len(buckets),
+                      members=len(self.ring.addresses) if self.ring else 0, device=str(self.device))
+        loss_avg = None
+        ring_op = 0  # op numbers restart with each ring generation
+        try:
+            while True:
+                ring = self.ring
+                assert ring is not None
+                n, rank = len(ring.addresses), ring.rank
+                global_batch = n * self.batch_size
+                if self.cursor + global_batch > len(y):  # the rest of the epoch is shorter than a global batch
+                    self.epoch, self.cursor = self.epoch + 1, 0
+                epochs_done = self.epoch >= t.epochs
+                vote = float(epochs_done or self.stop_requested or self.stopping.is_set())
+                idx = None if epochs_done else order.order(self.epoch)[
+                    self.cursor + rank * self.batch_size:self.cursor + (rank + 1) * self.batch_size]
+                step_ops["base"] = ring_op
+                ops.clear()
+                ready.clear()
+                control = torch.zeros(3, dtype=torch.float64)
+
+                def compute() -> tuple[float, float]:
+                    t0 = time.perf_counter()
+                    flat.zero_grad()
+                    buckets.reset()
+                    if idx is None:  # voting to stop: contribute zero gradients, compute nothing
+                        buckets.flush()
+                        return float("nan"), time.perf_counter() - t0
+                    # Each member's loss is its share of the global batch's mean, so the sum is the mean's gradient.
+                    loss = F.cross_entropy(model(x[idx]), y[idx])
+                    (loss * (len(idx) / global_batch)).backward()
+                    buckets.flush()  # parameters that took no part in this pass
+                    lv = loss.item()
+                    return lv, time.perf_counter() - t0
+
+                try:
+                    lv, busy = await self.in_thread(compute)
+                    if idx is not None:
+                        control[_LOSS], control[_SAMPLES] = lv * len(idx), len(idx)
+                    control[_VOTE] = vote
+                    await ring.all_reduce(control, ring_op + n_ops - 1)
+                    if len(ops) != len(buckets):
+                        raise HmpError(f"backward readied {len(ops)} of {len(buckets)} gradient buckets")
+                    await asyncio.gather(*ops.values())
+                except RingError as exc:
+                    await asyncio.gather(*ops.values(), return_exceptions=True)
+                    self.log.warning("step_dropped", step=self.step, error=str(exc))
+                    ring_op = await self.rejoin_ring(flat, optimizers)
+                    continue
+                ring_op += n_ops
+                self.busy_s += busy
+                if control[_VOTE] > 0:
+                    self.log.info("stopping_together", step=self.step, votes=int(control[_VOTE]))
+                    break
+
+                def update() -> None:
+                    for d, opt in optimizers.items():
+                        opt.step(flat.params[d], flat.grads[d])
+
+                await self.in_thread(update)
+                self.cursor += global_batch
+                self.step += 1
+                if control[_SAMPLES] > 0:
+                    loss_avg = ema(loss_avg, float(control[_LOSS] / control[_SAMPLES]), 0.9)
+                self.metrics.update(samples=self.metrics["samples"] + (len(idx) if idx is not None else 0),
+                                    updates=self.step, loss=loss_avg if loss_avg is not None else float("nan"),
+                                    epoch=self.epoch)
+                await self.ring_tick(model, data)
+        finally:
+            buckets.remove()
+        # The replica's fingerprint, for the report: every member's must be the same.
+        self.metrics["params_crc32"] = float(params_crc32(flat.params))
+        if self.ring is not None and self.ring.rank == 0:
+            self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
+
+    async def ring_tick(self, model: torch.nn.Module, data: Any) -> None:
+        """After each step: evaluate (rank 0) and report to the scheduler when they are due."""
+        now = time.monotonic()
+        if self.ring is not None and self.ring.rank == 0 and now >= self.next_eval:
+            self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
+            self.next_eval = now + self.cfg.train.eval_every_s
+        elif self.ring is not None and self.ring.rank != 0:
+            self.next_eval = float("inf")
+        if now >= self.next_report:
+            await self.send_ring_report()
+            self.next_report = now + self.cfg.train.report_interval_s
+
+    # ---------------------------------------------------------------- losing a member
+    async def rejoin_ring(self, flat: Any, optimizers: dict[str, Any]) -> int:
+        """After a failed step: wait for the scheduler's re-formed ring (bounded: the liveness rules
+        re-form it within 3 heartbeat intervals), build it and resync with the survivors; again if
+        that ring breaks too. Returns the new ring's next op number."""
+        wait_s = 2 * self.collective_timeout_s + 3 * self.cfg.job.heartbeat_interval_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            while self.ring is not None and self.assigned is not None and self.assigned.ring <= self.ring.generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RingBroken(f"{self.id}: a ring step failed and no re-formed ring came within {wait_s:.1f} s",
+                                     member=-1, code="timeout")
+                if self.stopping.is_set():
+                    raise RingBroken(f"{self.id}: stopped while waiting for a re-formed ring", member=-1,
+                                     code="stopped")
+                self.ring_changed.clear()
+                try:
+                    await asyncio.wait_for(self.ring_changed.wait(), min(left, 0.5))
+                except TimeoutError:
+                    pass
+            ring = await self.use_assigned_ring()
+            try:
+                return await self.resync(ring, flat, optimizers)
+            except RingError as exc:
+                self.log.warning("resync_failed", generation=ring.generation, error=str(exc))
+                deadline = time.monotonic() + wait_s
+
+    async def resync(self, ring: Ring, flat: Any, optimizers: dict[str, Any]) -> int:
+        """Agree with the survivors on the step to go on from (:mod:`hmp.collective.resync`); returns
+        the new ring's next op number."""
+
+        def snapshot() -> bytes:
+            buf = io.BytesIO()
+            torch.save({"params": {d: p.cpu() for d, p in flat.params.items()},
+                        "optimizers": {d: o.state_dict() for d, o in optimizers.items()},
+                        "step": self.step, "epoch": self.epoch, "cursor": self.cursor}, buf)
+            return buf.getvalue()
+
+        def restore(blob: bytes) -> None:
+            state = torch.load(io.BytesIO(blob), weights_only=True)
+            with torch.no_grad():
+                for d, p in flat.params.items():
+                    p.copy_(state["params"][d])
+            for d, o in optimizers.items():
+                o.load_state_dict(state["optimizers"][d])
+            self.step, self.epoch, self.cursor = int(state["step"]), int(state["epoch"]), int(state["cursor"])
+
+        out = await resync(ring, self.step, snapshot, restore)
+        if out.source is not None:
+            self.resyncs += 1
+        self.log.info("resynced", step=self.step, members=ring.size, generation=ring.generation,
+                      steps=list(out.steps), source_rank=out.source)
+        return RESYNC_OPS

@@ -1,0 +1,602 @@
+"""hmp.collective: ring all-reduce (both algorithms, every dtype, 2-4 members, real processes and
+sockets, failures) and gradient buckets on a real model.
+
+Cost: the real-process tests share one group of 4 spawned members (torch imports once per
+process); rings of 2, 3 and 4 of them are formed in turn as new generations. The in-process tests
+run several members on one event loop, over real loopback sockets too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hmp.collective import (GradientBuckets, Plan, Ring, RingBroken, RingError, RingHost, plan_buckets)
+from hmp.errors import RemoteError
+from hmp.flat import FlatLayout
+from hmp.messages import Kind, RingPiece
+from hmp.transport.codec import DTYPES
+from hmp.transport.endpoint import Client, Server
+
+DTYPE_NAMES = [d for d in DTYPES if d != "bool"]
+INT_RANGE = {"uint8": (0, 50), "int8": (-25, 25)}  # sums of 4 stay in range: exact comparisons
+TOL = {"float16": (1e-2, 2e-2), "bfloat16": (5e-2, 1e-1), "float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12)}
+
+
+def _inputs(dtype: str, numel: int, rank: int, seed: int) -> torch.Tensor:
+    """Member ``rank``'s deterministic input (the parent recomputes it for the expected sum)."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    d = DTYPES[dtype]
+    if d.is_floating_point:
+        return torch.randn(numel, generator=g, dtype=torch.float64).to(d)
+    lo, hi = INT_RANGE.get(dtype, (-1000, 1000))
+    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(d)
+
+
+def _check_sum(results: list[torch.Tensor], dtype: str, numel: int, seed: int, where: str) -> None:
+    """Every member's result is bit-identical, and equal to the sum (exact for integers)."""
+    n = len(results)
+    first = results[0]
+    for r, t in enumerate(results):
+        assert t.dtype == DTYPES[dtype] and t.shape == (numel,), where
+        assert _bits(t) == _bits(first), f"{where}: member {r}'s result differs bitwise from member 0's"
+    exact = sum(_inputs(dtype, numel, r, seed).to(torch.float64) for r in range(n))
+    if DTYPES[dtype].is_floating_point:
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(first.to(torch.float64), exact, rtol=rtol, atol=atol * n, msg=where)
+    else:
+        assert torch.equal(first.to(torch.int64), exact.to(torch.int64)), where
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bits(b: bytes, dtype: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(DTYPES[dtype]) if b else torch.empty(0, dtype=DTYPES[dtype])
+
+
+# ============================================================================ plan, validation
+
+def test_plan_cuts_segments_and_pieces():
+    """Segments differ by at most one element (empty ones when numel < N); pieces cover them exactly."""
+    p = Plan.of(3, 10, 2)
+    assert p.starts == (0, 3, 6, 10) and p.counts == (2, 2, 2)
+    assert [p.region(2, j) for j in range(2)] == [(6, 8), (8, 10)]
+    small = Plan.of(4, 2, 5)
+    assert small.starts == (0, 0, 1, 1, 2) and small.counts == (0, 1, 0, 1)
+    for members, numel, per in [(2, 1001, 16), (3, 7, 1), (4, 3, 2), (5, 1 << 12, 100)]:
+        plan = Plan.of(members, numel, per)
+        covered = sorted(plan.region(s, j) for s in range(members) for j in range(plan.counts[s]))
+        assert covered[0][0] == 0 and covered[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+
+
+async def test_arguments_are_checked():
+    """Bad tensors, decreasing ops and a missing connect() are refused before anything is sent."""
+    with pytest.raises(ValueError):
+        Ring(rank=2, addresses=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], generation=1)
+    with pytest.raises(ValueError):
+        Ring(rank=0, addresses=["tcp://127.0.0.1:1"], generation=1, piece_bytes=0)
+    ring = Ring(rank=0, addresses=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], generation=1)
+    with pytest.raises(RingError, match="connect"):
+        await ring.all_reduce(torch.zeros(4), 0)
+    with pytest.raises(TypeError, match="bool"):
+        await ring.all_reduce(torch.zeros(4, dtype=torch.bool), 1)
+    with pytest.raises(ValueError, match="1-D"):
+        await ring.all_reduce(torch.zeros(2, 2), 1)
+    with pytest.raises(ValueError, match="1-D"):
+        await ring.all_reduce(torch.zeros(8)[::2], 1)
+    solo = Ring(rank=0, addresses=["tcp://127.0.0.1:1"], generation=1)
+    t = torch.arange(5.0)
+    assert await solo.all_reduce(t, 3) is t and torch.equal(t, torch.arange(5.0))  # one member: itself
+    with pytest.raises(ValueError, match="increase"):
+        await solo.all_reduce(t, 3)
+    assert ring.algorithm(torch.zeros(10)) == "small" and ring.algorithm(torch.zeros(1 << 20)) == "ring"
+    assert ring.algorithm(torch.zeros(0)) == "none"
+    await ring.close()
+    await solo.close()
+
+
+# ============================================================================ in-process rings
+
+class Local:
+    """``n`` members on this event loop, each with its own Server (real loopback sockets) and RingHost."""
+
+    def __init__(self) -> None:
+        self.servers: list[Server] = []
+        self.hosts: list[RingHost] = []
+        self.rings: list[Ring] = []
+
+    @classmethod
+    async def start(cls, n: int, generation: int = 1, host_timeout_s: float = 5.0, **opts: Any) -> Local:
+        self = cls()
+        for i in range(n):
+            host = RingHost(timeout_s=host_timeout_s)
+            server = Server("tcp://127.0.0.1:0", {Kind.RING: host.on_piece}, name=f"m{i}")
+            await server.start()
+            self.hosts.append(host)
+            self.servers.append(server)
+        await self.form(generation, **opts)
+        return self
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    async def form(self, generation: int, **opts: Any) -> None:
+        old = self.rings
+        self.rings = []
+        for i, host in enumerate(self.hosts):
+            ring = Ring(rank=i, addresses=self.addresses, generation=generation, name=f"m{i}", **opts)
+            await ring.connect()
+            host.install(ring)
+            self.rings.append(ring)
+        for ring in old:
+            await ring.close()
+
+    async def reduce(self, tensors: list[torch.Tensor], op: int) -> None:
+        await asyncio.gather(*(r.all_reduce(t, op) for r, t in zip(self.rings, tensors)))
+
+    async def close(self) -> None:
+        for r in self.rings:
+            await r.close()
+        for s in self.servers:
+            await s.close()
+
+
+@contextlib.asynccontextmanager
+async def local(n: int, **opts: Any):
+    members = await Local.start(n, **opts)
+    try:
+        yield members
+    finally:
+        await members.close()
+
+
+async def test_pieces_of_an_op_not_started_yet_wait_for_it():
+    """A member that starts late finds its neighbours' pieces waiting (buffered, unanswered) and
+    the op completes on everyone; pieces crossing ops started at different times stay apart."""
+    async with local(3, piece_bytes=64, small_bytes=0, timeout_s=5.0) as m:
+        xs = [_inputs("float32", 1000, r, 7) for r in range(3)]
+        ts = [x.clone() for x in xs]
+
+        async def late() -> None:
+            await asyncio.sleep(0.3)
+            await m.rings[2].all_reduce(ts[2], 0)
+
+        await asyncio.gather(m.rings[0].all_reduce(ts[0], 0), m.rings[1].all_reduce(ts[1], 0), late())
+        _check_sum(ts, "float32", 1000, 7, "late member")
+        assert m.rings[2].stats["early_pieces"] > 0
+
+
+async def test_concurrent_ops_window_and_staging_give_identical_results():
+    """Six ops at once (ring and small, window of 2 pieces) started in order; a staged ring (the
+    CUDA path, run on CPU) copies piece by piece and gives the same bits as an unstaged one."""
+    sizes = [(1000, "float32"), (7, "int64"), (4097, "bfloat16"), (3, "float64"), (2000, "int16"), (64, "uint8")]
+    results: dict[bool, list[list[torch.Tensor]]] = {}
+    for stage in (False, True):
+        async with local(3, piece_bytes=128, small_bytes=300, window=2, timeout_s=5.0, stage=stage) as m:
+            ts = [[_inputs(d, n, r, op) for r in range(3)] for op, (n, d) in enumerate(sizes)]
+            algos = [m.rings[0].algorithm(t[0]) for t in ts]
+            assert "small" in algos and "ring" in algos
+
+            async def member(r: int) -> None:
+                if r == 1:
+                    await asyncio.sleep(0.05)
+                await asyncio.gather(*(m.rings[r].all_reduce(ts[op][r], op) for op in range(len(sizes))))
+
+            await asyncio.gather(*(member(r) for r in range(3)))
+            for op, (n, d) in enumerate(sizes):
+                _check_sum(ts[op], d, n, op, f"op {op} stage={stage}")
+            results[stage] = ts
+            if stage:
+                st = m.rings[0].stats
+                # per piece: the ring ops' pieces, plus one region per small op
+                assert st["staged_in"] > len(sizes) and st["staged_in"] == st["staged_out"], st
+    for op in range(len(sizes)):
+        assert _bits(results[True][op][0]) == _bits(results[False][op][0]), f"op {op}: staging changed the bits"
+
+
+async def test_abort_fails_the_running_op_and_every_later_one():
+    """abort() ends an op that waits on a silent peer at once with the caller's exception; later
+    ops raise it too; nothing hangs."""
+    async with local(1) as m:  # a server for member 0; member 1's address has nobody behind it
+        with socket_port() as port:
+            dead = f"tcp://127.0.0.1:{port}"
+        ring = Ring(rank=0, addresses=[m.addresses[0], dead], generation=2, name="m0", small_bytes=0, timeout_s=30)
+        await ring.connect()
+        m.hosts[0].install(ring)
+        task = asyncio.ensure_future(ring.all_reduce(torch.ones(1000), 0))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        lost = PeerGone("member 1 lost")
+        ring.abort(lost)
+        with pytest.raises(PeerGone):
+            await asyncio.wait_for(task, 2)
+        with pytest.raises(PeerGone):
+            await ring.all_reduce(torch.ones(1000), 1)
+        await ring.close()
+
+
+class PeerGone(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def socket_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+async def test_a_member_that_never_joins_the_op_is_named_within_the_timeout():
+    """Member 2 is up but never calls all_reduce: members 0 and 1 raise RingBroken naming member 2
+    within about timeout_s (no hang), and their ring is aborted for later ops."""
+    async with local(3, piece_bytes=256, small_bytes=0, timeout_s=0.5) as m:
+        t0 = time.monotonic()
+        outs = await asyncio.gather(m.rings[0].all_reduce(torch.ones(3000), 0),
+                                    m.rings[1].all_reduce(torch.ones(3000), 0), return_exceptions=True)
+        took = time.monotonic() - t0
+        assert all(isinstance(e, RingBroken) for e in outs), outs
+        assert [e.member for e in outs] == [2, 2], outs
+        assert took < 0.5 * 2 + 1.0, took
+        with pytest.raises(RingBroken):
+            await m.rings[0].all_reduce(torch.ones(3), 1)
+
+
+async def test_ring_host_follows_generations_and_refuses_nonsense():
+    """stale_ring for an old generation, a newer generation's piece waits for its install,
+    unknown_ring after the host's timeout; stale_op, bad_piece and too_far_ahead replies leave the
+    ring working; a mismatched piece inside a running op fails that op (RingBroken bad_piece)."""
+    async with local(2, piece_bytes=64, small_bytes=0, timeout_s=2.0, max_ops_ahead=1, host_timeout_s=0.3) as m:
+        await m.reduce([torch.ones(100), torch.ones(100)], 5)
+        async with Client(m.addresses[0], name="probe", timeout_s=5) as c:
+            def piece(**kw: Any) -> RingPiece:
+                return RingPiece(**{"ring": 1, "op": 9, "step": 0, "part": 0, "values": torch.zeros(5), **kw})
+
+            async def code_of(msg: RingPiece) -> str:
+                with pytest.raises(RemoteError) as info:
+                    await c.request(msg)
+                return info.value.code
+
+            assert await code_of(piece(ring=0)) == "stale_ring"
+            assert await code_of(piece(ring=7)) == "unknown_ring"  # never installed: after 0.3 s
+            assert await code_of(piece(op=5)) == "stale_op"
+            assert await code_of(piece(op=4)) == "stale_op"
+            assert await code_of(piece(step=2)) == "bad_piece"  # a ring of 2 has steps 0 and 1
+            assert await code_of(piece(part=-1)) == "bad_piece"
+            waiting = asyncio.ensure_future(c.request(piece(op=6)))  # early piece: waits for op 6
+            await asyncio.sleep(0.05)
+            assert await code_of(piece(op=7)) == "too_far_ahead"  # max_ops_ahead=1
+            # Op 6 starts on member 0 alone: the probe's piece (wrong size) is inside it.
+            op6 = asyncio.ensure_future(m.rings[0].all_reduce(torch.ones(100), 6))
+            with pytest.raises(RemoteError) as info:
+                await waiting
+            assert info.value.code == "bad_piece"
+            with pytest.raises(RingBroken) as broken:
+                await op6
+            assert broken.value.code == "bad_piece" and broken.value.member == 1
+            # A newer generation's piece waits for the install, then is served (stale_op: op 0 < 6 here).
+            later = asyncio.ensure_future(c.request(piece(ring=2, op=0, step=5)))
+            await asyncio.sleep(0.05)
+            await m.form(2, piece_bytes=64, small_bytes=0, timeout_s=2.0)
+            with pytest.raises(RemoteError) as info:
+                await later
+            assert info.value.code == "bad_piece"  # routed to generation 2's ring, which has no step 5
+            assert await code_of(piece(ring=1)) == "stale_ring"
+        ts = [_inputs("float32", 333, r, 1) for r in range(2)]
+        await m.reduce(ts, 0)
+        _check_sum(ts, "float32", 333, 1, "after the probes")
+
+
+# ============================================================================ real processes
+
+def _member(index: int, conn: Any) -> None:
+    """A member process: a Server routing Kind.RING to a RingHost, driven over ``conn``."""
+    torch.set_num_threads(1)
+    import uvloop
+
+    try:
+        uvloop.run(_member_main(index, conn))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+        raise
+
+
+async def _member_main(index: int, conn: Any) -> None:
+    loop = asyncio.get_running_loop()
+    host = RingHost(timeout_s=5.0)
+    kill_after: list[int] = []
+
+    async def on_ring(msg: RingPiece, peer: bytes) -> Any:
+        if kill_after:
+            kill_after[0] -= 1
+            if kill_after[0] < 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # the test's "member dies mid-op"
+        return await host.on_piece(msg, peer)
+
+    server = Server("tcp://127.0.0.1:0", {Kind.RING: on_ring}, name=f"m{index}")
+    await server.start()
+    conn.send(server.address)
+    try:
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            what = cmd[0]
+            if what == "stop":
+                conn.send("bye")
+                return
+            if what == "ring":
+                _, gen, addresses, opts = cmd
+                if index < len(addresses):
+                    ring = Ring(rank=index, addresses=addresses, generation=gen, name=f"m{index}", **opts)
+                    await ring.connect()
+                    old = host.install(ring)
+                else:
+                    old = host.retire(gen)
+                if old is not None:
+                    await old.close()
+                conn.send("ok")
+            elif what == "reduce":
+                _, cases, concurrent = cmd
+                ring = host.ring
+                assert ring is not None
+                ts = [_inputs(d, n, index, seed) for d, n, op, seed in cases]
+                calls = [ring.all_reduce(t, op) for t, (_, _, op, _) in zip(ts, cases)]
+                t0 = time.monotonic()
+                if concurrent:
+                    outs = await asyncio.gather(*calls, return_exceptions=True)
+                else:
+                    outs = []
+                    for c in calls:
+                        try:
+                            outs.append(await c)
+                        except Exception as exc:  # noqa: BLE001 - reported to the test
+                            outs.append(exc)
+                reply = []
+                for o in outs:
+                    if isinstance(o, BaseException):
+                        reply.append(("error", type(o).__name__, getattr(o, "member", None), str(o)))
+                    else:
+                        reply.append(("ok", _bits(o)))
+                conn.send((reply, dict(ring.stats), time.monotonic() - t0))
+            elif what == "kill_after":
+                kill_after[:] = [cmd[1]]
+                conn.send("ok")
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+    finally:
+        if host.ring is not None:
+            await host.ring.close()
+        await server.close()
+
+
+class Members:
+    """``n`` member processes (spawned once), asked over pipes."""
+
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self.gen = 0
+        try:
+            for i in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_member, args=(i, child), daemon=True, name=f"ring-member-{i}")
+                p.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(p)
+            self.addresses = [self._recv(i, 90) for i in range(n)]
+        except BaseException:
+            self.close()
+            raise
+
+    def _recv(self, i: int, timeout_s: float = 60) -> Any:
+        if not self.conns[i].poll(timeout_s):
+            raise TimeoutError(f"member {i}: no answer in {timeout_s} s")
+        reply = self.conns[i].recv()
+        if isinstance(reply, tuple) and reply and reply[0] == "error":
+            raise RuntimeError(f"member {i} failed:\n{reply[1]}")
+        return reply
+
+    def ask(self, ranks: range | list[int], cmd: tuple, timeout_s: float = 60) -> list[Any]:
+        for i in ranks:
+            self.conns[i].send(cmd)
+        return [self._recv(i, timeout_s) for i in ranks]
+
+    def form(self, size: int, **opts: Any) -> int:
+        """A new ring generation of members 0..size-1 (the others retire it)."""
+        self.gen += 1
+        self.ask(range(len(self.conns)), ("ring", self.gen, self.addresses[:size], opts))
+        return self.gen
+
+    def close(self) -> None:
+        for i, c in enumerate(self.conns):
+            if self.procs[i].is_alive():
+                with contextlib.suppress(OSError):
+                    c.send(("stop",))
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():  # last resort only
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def members():
+    group = Members(4)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def _run_cases(members: Members, size: int, cases: list[tuple[str, int, int, int]], concurrent: bool = False,
+               timeout_s: float = 60) -> list[dict]:
+    replies = members.ask(range(size), ("reduce", cases, concurrent), timeout_s)
+    for k, (dtype, numel, op, seed) in enumerate(cases):
+        outs = [r[0][k] for r in replies]
+        assert all(o[0] == "ok" for o in outs), (dtype, numel, op, outs)
+        _check_sum([_from_bits(o[1], dtype) for o in outs], dtype, numel, seed,
+                   f"{size} members, {dtype}[{numel}] op {op}")
+    return [r[1] for r in replies]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_dtype_and_size_in_real_processes(members, size):
+    """Every dtype but bool, sizes smaller than N, not divisible by N and of many pieces: the sum,
+    exact for integers, bit-identical on every member, with the ring algorithm (small_bytes=0) and
+    with the automatic choice (small tensors one-step, the others ring; run concurrently)."""
+    members.form(size, piece_bytes=64, small_bytes=0, timeout_s=10.0)
+    sizes = sorted({1, size - 1, 2 * size + 1, 1003} - {0})
+    cases = [(d, n, op, 100 * size + op) for op, (d, n) in enumerate((d, n) for d in DTYPE_NAMES for n in sizes)]
+    before = _run_cases(members, size, cases)
+    assert all(s["ring_ops"] == len(cases) and s["small_ops"] == 0 for s in before), before
+    members.form(size, piece_bytes=64, small_bytes=256, timeout_s=10.0, max_ops_ahead=64)
+    auto = [(d, n, op, 7 * size + op) for op, (d, n) in enumerate((d, n) for d in DTYPE_NAMES for n in (5, 301))]
+    stats = _run_cases(members, size, auto, concurrent=True)
+    assert all(s["small_ops"] == len(DTYPE_NAMES) and s["ring_ops"] == len(DTYPE_NAMES) for s in stats), stats
+
+
+@pytest.mark.cluster
+def test_stale_generation_is_refused_by_a_real_member(members):
+    """A piece of an older ring generation gets the error reply stale_ring; the ring works on."""
+    gen = members.form(2, piece_bytes=1024, timeout_s=10.0)
+
+    async def probe() -> str:
+        async with Client(members.addresses[1], name="probe", timeout_s=10) as c:
+            with pytest.raises(RemoteError) as info:
+                await c.request(RingPiece(ring=gen - 1, op=0, step=0, part=0, values=torch.zeros(4)))
+            return info.value.code
+
+    assert asyncio.run(probe()) == "stale_ring"
+    _run_cases(members, 2, [("float32", 70000, 0, 3)])
+
+
+@pytest.mark.cluster
+def test_a_member_killed_mid_op_breaks_the_ring_within_the_timeout(members):
+    """Member 2 dies (SIGKILL) after consuming a few pieces of an op: members 0 and 1 raise
+    RingBroken naming member 2 within about timeout_s, not a hang. (Last: it kills a member.)"""
+    timeout_s = 1.5
+    members.form(3, piece_bytes=64, small_bytes=0, timeout_s=timeout_s)
+    members.ask([2], ("kill_after", 3))
+    case = [("float32", 3000, 0, 1)]
+    for i in range(3):
+        members.conns[i].send(("reduce", case, False))
+    t0 = time.monotonic()
+    replies = [members._recv(i, 30) for i in (0, 1)]
+    took = time.monotonic() - t0
+    members.procs[2].join(timeout=10)
+    assert members.procs[2].exitcode == -signal.SIGKILL
+    for i, (outs, _, _) in enumerate(replies):
+        kind, name, member, text = outs[0]
+        assert kind == "error" and name == "RingBroken" and member == 2, (i, outs)
+    assert took < 2 * timeout_s + 3, took
+
+
+# ============================================================================ gradient buckets
+
+class Mixed(nn.Module):
+    """float32 layers around a float64 one: two flat buffers, parameters of both interleaved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8).double()
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        x = torch.relu(self.b(x.double())).float()
+        return self.d(torch.relu(self.c(x)))
+
+
+def test_bucket_plan_is_contiguous_reverse_and_covers_every_buffer():
+    """Buckets are contiguous slices taken from each buffer's end, in reverse parameter order, and
+    cover every flat buffer exactly once; a parameter of bucket_bytes or more is a bucket of its own."""
+    model = Mixed()
+    layout = FlatLayout.from_model(model)
+    buckets = plan_buckets(layout, bucket_bytes=200)
+    names = [s.name for s in layout.slots]
+    order = [names.index(b.params[0]) for b in buckets]
+    assert order == sorted(order, reverse=True)  # bucket 0 starts with the last parameter
+    for dtype, numel in layout.sizes:
+        mine = sorted((b.start, b.end) for b in buckets if b.dtype == dtype)
+        assert mine[0][0] == 0 and mine[-1][1] == numel
+        assert all(x[1] == y[0] for x, y in zip(mine, mine[1:]))
+        ends = [b.end for b in buckets if b.dtype == dtype]
+        assert ends == sorted(ends, reverse=True)  # from the end of the buffer backwards
+    assert any(len(b.params) > 1 for b in buckets)
+    tiny = plan_buckets(layout, bucket_bytes=1)  # every parameter over the size: one bucket each
+    assert [b.params for b in tiny] == [(s.name,) for s in reversed(layout.slots)]
+    one = plan_buckets(layout, bucket_bytes=1 << 30)
+    assert [(b.dtype, b.start, b.end) for b in one] == [("float32", 0, layout.numel("float32")),
+                                                          ("float64", 0, layout.numel("float64"))]
+
+
+def test_buckets_fire_in_reverse_order_exactly_once_per_backward():
+    """A real model bound to flat buffers: each bucket's callback fires once per backward, in reverse
+    order, with a view of the flat gradient buffer that already holds the finished gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32),
+                          nn.ReLU(), nn.Linear(32, 4))
+    layout = FlatLayout.from_model(model)
+    flat = layout.bind(model)
+    grad = flat.grads["float32"]
+    fired: list[tuple[int, int, int, torch.Tensor]] = []
+
+    def on_ready(index: int, view: torch.Tensor) -> None:
+        fired.append((index, view.data_ptr(), view.numel(), view.clone()))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with GradientBuckets(model, layout, flat.grads, on_ready, bucket_bytes=4096) as gb:
+        assert len(gb) >= 3
+        for step in range(2):
+            fired.clear()
+            flat.zero_grad()
+            gb.reset()
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert [f[0] for f in fired] == list(range(len(gb))), f"step {step}: {[f[0] for f in fired]}"
+            assert gb.pending == []
+            for index, ptr, numel, seen in fired:
+                b = gb.buckets[index]
+                assert ptr == grad[b.start:b.end].data_ptr() and numel == b.numel
+                assert torch.equal(seen, grad[b.start:b.end])  # complete when it fired
+            assert sum(f[2] for f in fired) == grad.numel()
+        with pytest.raises(RuntimeError, match="reset"):
+            nn.functional.cross_entropy(model(x), y).backward()  # no reset: a bucket would fire twice
+        gb.reset()
+        fired.clear()
+        assert gb.flush() == list(range(len(gb))) and len(fired) == len(gb)  # e.g. unused parameters
+    fired.clear()
+    gb.reset()
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert fired == []  # hooks removed
+
+
+def test_buckets_refuse_a_model_that_is_not_bound():
+    model = nn.Linear(4, 4)
+    layout = FlatLayout.from_model(model)
+    with pytest.raises(ValueError, match="bind"):
+        GradientBuckets(model, layout, layout.allocate(), lambda i, v: None)

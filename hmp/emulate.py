@@ -25,6 +25,11 @@ CLI: ``hmp-emulate HOSTS.toml --run h0:'CMD' --run h1:'CMD' ...`` starts the hos
 command in its host (``{h0}`` in a command is replaced by that host's address), waits for all,
 removes everything and exits with the worst exit code; ``hmp-emulate --cleanup`` removes stale
 namespaces.
+
+A whole topology on emulated hosts (``hmp-launch CONFIG --hosts HOSTS.toml``, ``LocalCluster(cfg,
+hosts=...)``): each ``[[nodes]] host`` names a host of the hosts file (:func:`check_placement`), and
+the daemons read a derived config (:func:`topology_on_hosts`) in which every node binds its host's
+address.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,12 +197,25 @@ class EmulatedHosts:
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
         self.procs: list[subprocess.Popen] = []
+        self.source = "<hosts>"  #: the hosts file, for messages
         self._created: list[str] = []
+        self._lock = threading.RLock()  # close() from another thread waits for a start() in progress
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> EmulatedHosts:
         specs, subnet = load_hosts(path)
-        return cls(specs, subnet)
+        hosts = cls(specs, subnet)
+        hosts.source = str(path)
+        return hosts
+
+    @property
+    def names(self) -> list[str]:
+        """The hosts' names, in file order (known before :meth:`start`)."""
+        return [s.name for s in self.specs]
+
+    @property
+    def started(self) -> bool:
+        return bool(self.hosts)
 
     def __enter__(self) -> EmulatedHosts:
         self.start()
@@ -205,6 +225,12 @@ class EmulatedHosts:
         self.close()
 
     def start(self) -> None:
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        if self._created:
+            raise RuntimeError(f"{self.tag}: already started")
         if shutil.which("ip") is None:
             raise EmulationUnavailable("iproute2's `ip` is not installed")
         remove_stale()
@@ -281,6 +307,11 @@ class EmulatedHosts:
         return proc
 
     def close(self) -> None:
+        """Stop every process started in a host and remove every namespace; safe to call twice."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 try:
@@ -298,6 +329,87 @@ class EmulatedHosts:
             _kill_netns(ns)
         self._created.clear()
         self.hosts.clear()
+
+
+# ----------------------------------------------------------------------------- topologies on hosts
+def check_placement(nodes: Sequence[Any], names: Sequence[str], config_path: str, hosts_file: str) -> None:
+    """Every node's ``host`` names a host of the hosts file and its ``bind`` is a tcp address (the
+    scheduler's with a fixed port); errors name the config file and the node's key."""
+    for i, n in enumerate(nodes):
+        if n.host not in names:
+            raise ConfigError(config_path, f"nodes[{i}].host", f"the name of an emulated host in {hosts_file} "
+                                                              f"(one of {list(names)}), got {n.host!r}")
+        if not n.bind.startswith("tcp://"):
+            raise ConfigError(config_path, f"nodes[{i}].bind", f"a tcp:// address on emulated hosts ({hosts_file}), "
+                                                              f"got {n.bind!r}")
+        if n.role == "scheduler" and _port(n.bind) == 0:
+            raise ConfigError(config_path, f"nodes[{i}].bind", f"a fixed port for the scheduler on emulated hosts "
+                                                              f"({hosts_file}), got {n.bind!r}")
+
+
+def _port(address: str) -> int:
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0  # '*': any port
+
+
+def topology_on_hosts(config_path: str | os.PathLike, nodes: Sequence[Any], address: dict[str, str]) -> str:
+    """The config file ``config_path`` as TOML text in which each node (``nodes``: its validated
+    ``[[nodes]]``, in file order) binds ``tcp://<its host's address>:<its port>`` (port 0 stays 0, and
+    the node advertises what it bound; a fixed port is advertised as is), and relative data paths are
+    made absolute (the text is written somewhere else). ``address``: host name -> address."""
+    path = Path(config_path)
+    raw = tomllib.loads(path.read_text())
+    raw_nodes = raw.get("nodes", [])
+    if [n.get("id") for n in raw_nodes] != [n.id for n in nodes]:
+        raise ConfigError(str(path), "nodes", "the nodes of the loaded config (the file changed since it was loaded)")
+    for table, n in zip(raw_nodes, nodes):
+        port = _port(n.bind)
+        table["host"] = n.host
+        table["bind"] = f"tcp://{address[n.host]}:{port}"
+        table["advertise"] = table["bind"] if port else ""
+    data = raw.get("data", {})
+    for key in ("path", "test_path"):
+        if data.get(key) and not Path(data[key]).is_absolute():
+            data[key] = str(path.resolve().parent / data[key])
+    text = f"# {path} with every daemon bound to its emulated host's address (hmp.emulate)\n" + dumps_toml(raw)
+    if tomllib.loads(text) != raw:  # the writer below knows only what config files hold
+        raise ConfigError(str(path), "<file>", "values that hmp.emulate.dumps_toml can write back")
+    return text
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else json.dumps(k, ensure_ascii=False)
+
+
+def dumps_toml(raw: dict[str, Any]) -> str:
+    """A config file's tables as TOML: ``[section]`` tables of keys, arrays of tables (``[[nodes]]``),
+    nested tables and arrays inline."""
+    out = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in raw.items()
+           if not isinstance(v, dict) and not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))]
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            out += ["", f"[{_toml_key(k)}]", *(f"{_toml_key(a)} = {_toml_value(b)}" for a, b in v.items())]
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for table in v:
+                out += ["", f"[[{_toml_key(k)}]]", *(f"{_toml_key(a)} = {_toml_value(b)}" for a, b in table.items())]
+    return "\n".join(out) + "\n"
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -356,4 +468,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["EmulatedHosts", "EmulationUnavailable", "Host", "HostSpec", "load_hosts", "main", "remove_stale"]
+__all__ = ["EmulatedHosts", "EmulationUnavailable", "Host", "HostSpec", "check_placement", "dumps_toml", "load_hosts",
+           "main", "remove_stale", "topology_on_hosts"]

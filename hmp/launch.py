@@ -1,6 +1,10 @@
 """``hmp-launch CONFIG``: start every daemon of a topology on this host, show progress, stop them all.
 
-Exit code 0 when the job finished, 1 when a daemon failed (its log tail is printed), 130 on Ctrl-C.
+``--hosts HOSTS.toml``: run each daemon on the emulated host its ``[[nodes]] host`` names (network
+namespaces on a rate-limited bridge, docs/emulate.md; needs root); they are removed afterwards.
+
+Exit code 0 when the job finished, 1 when a daemon failed (its log tail is printed) or emulated hosts
+cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import uvloop
 from hmp.cluster import JobFailed, LocalCluster
 from hmp import job
 from hmp import log as hmp_log
+from hmp.emulate import EmulationUnavailable
 from hmp.errors import ConfigError
 
 
@@ -70,20 +75,30 @@ async def _launch(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    cluster = LocalCluster(cfg, resume=args.resume, hosts=args.hosts)  # a bad placement: ConfigError, exit 2
     print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
-    async with LocalCluster(cfg, resume=args.resume) as cluster:
-        try:
-            report = await cluster.train(timeout_s=args.timeout, progress=bar)
-        except JobFailed as exc:
-            bar.close()
-            print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
-            return 1
-        except asyncio.CancelledError:
-            bar.close()
-            if interrupted:
-                print("hmp-launch: interrupted; stopping every daemon", file=sys.stderr)
-                return 130
-            raise
+    try:
+        async with cluster:
+            if cluster.hosts is not None:
+                placed = {h: [n.id for n in cfg.nodes if n.host == h] for h in cluster.hosts.names}
+                print("hmp-launch: emulated hosts from " + args.hosts + ": " + ", ".join(
+                    f"{h} {cluster.hosts.address(h)} {cluster.hosts.hosts[h].spec.bandwidth_mbit:g} Mbit/s "
+                    f"[{' '.join(ids)}]" for h, ids in placed.items()), flush=True)
+            try:
+                report = await cluster.train(timeout_s=args.timeout, progress=bar)
+            except JobFailed as exc:
+                bar.close()
+                print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
+                return 1
+    except EmulationUnavailable as exc:
+        print(f"hmp-launch: no emulated hosts here: {exc}", file=sys.stderr)
+        return 1
+    except asyncio.CancelledError:
+        bar.close()
+        if interrupted:  # stopping the daemons (and removing emulated hosts) is done: the `async with` ended
+            print("hmp-launch: interrupted; every daemon stopped", file=sys.stderr)
+            return 130
+        raise
     bar.close()
     final = report.get("final", {})
     print(f"hmp-launch: job finished: {final.get('stop_reason', '')}")
@@ -103,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", help="topology/job TOML file, e.g. conf/local.toml")
     ap.add_argument("--resume", action="store_true", help="PS shards continue from their checkpoints")
     ap.add_argument("--timeout", type=float, default=None, help="fail the job after this many seconds")
+    ap.add_argument("--hosts", metavar="HOSTS.toml", default=None,
+                    help="run each daemon on the emulated host its [[nodes]] host names (docs/emulate.md; needs root)")
     args = ap.parse_args(argv)
     try:
         return uvloop.run(_launch(args))

@@ -15,6 +15,7 @@ from hmp.data import (
     Dataset,
     DatasetSpec,
     generate_click_data,
+    generate_dense_classification,
     generate_sparse_classification,
     load_dataset,
     load_digits_dataset,
@@ -107,6 +108,84 @@ def test_sparse_classification_is_sparse_normalised_and_learnable() -> None:
     assert clf.score(d.x_test.numpy(), d.y_test.numpy()) > majority_baseline(d) + 0.25  # measured ~0.87 vs ~0.52
     multi = generate_sparse_classification(2000, 300, 0.05, seed=2, num_classes=4, label_noise=0.1)
     assert multi.num_classes == 4 and torch.bincount(multi.y_train, minlength=4).min() > 250
+
+
+# ---------------------------------------------------------------------------- synthetic (dense)
+
+
+def test_dense_classification_shapes_balance_and_determinism() -> None:
+    """Dense float32 rows, the last ceil(fraction * n) as test set, classes about balanced, fixed by the seed."""
+    d = generate_dense_classification(2001, n_features=96, num_classes=5, seed=3, test_fraction=0.25)
+    assert (d.name, d.num_classes, d.num_features) == ("synthetic-96", 5, 96)
+    assert d.x_train.shape == (1500, 96) and d.x_test.shape == (501, 96)
+    assert d.x_train.dtype == torch.float32 and d.y_train.dtype == torch.int64 and d.x_train.is_contiguous()
+    assert (d.x_train != 0).all() and abs(float(d.x_train.std()) - 2 ** 0.5) < 0.1  # var 1 + noise**2
+    counts = torch.bincount(torch.cat([d.y_train, d.y_test]), minlength=5)
+    assert counts.min() > 0.8 * 2001 / 5 and counts.max() < 1.2 * 2001 / 5
+    again = generate_dense_classification(2001, n_features=96, num_classes=5, seed=3, test_fraction=0.25)
+    for a, b in ((d.x_train, again.x_train), (d.y_train, again.y_train), (d.x_test, again.x_test),
+                 (d.y_test, again.y_test)):
+        assert torch.equal(a, b)
+    other = generate_dense_classification(2001, n_features=96, num_classes=5, seed=4, test_fraction=0.25)
+    assert not torch.equal(d.x_train, other.x_train) and not torch.equal(d.y_train, other.y_train)
+    noisy = generate_dense_classification(2001, n_features=96, num_classes=5, seed=3, test_fraction=0.25,
+                                          label_noise=0.5)
+    assert 0.3 < float((noisy.y_train != d.y_train).double().mean()) < 0.5  # half redrawn, 1/5 of those unchanged
+
+
+def test_dense_classification_is_learnable() -> None:
+    """A linear model beats the majority baseline by far; with no feature noise it does better still."""
+    from sklearn.linear_model import LogisticRegression
+
+    def score(noise: float) -> float:
+        d = generate_dense_classification(3000, n_features=64, num_classes=4, seed=1, noise=noise)
+        clf = LogisticRegression(max_iter=500).fit(d.x_train.numpy(), d.y_train.numpy())
+        return clf.score(d.x_test.numpy(), d.y_test.numpy())
+
+    d = generate_dense_classification(3000, n_features=64, num_classes=4, seed=1)
+    noisy, clean = score(1.0), score(0.0)
+    assert noisy > majority_baseline(d) + 0.3  # measured 0.70 vs 0.23
+    assert clean > noisy + 0.05  # measured 0.86 (the labels are nonlinear in z: not 1.0 even without noise)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n": 0}, "n must be a positive int, got 0"),
+    ({"n_features": 2.5}, "n_features must be a positive int, got 2.5"),
+    ({"num_classes": 1}, "num_classes must be >= 2, got 1"),
+    ({"latent_dim": -1}, "latent_dim must be a positive int"),
+    ({"hidden": True}, "hidden must be a positive int, got True"),
+    ({"noise": -0.1}, r"noise must be a finite number >= 0, got -0.1"),
+    ({"noise": float("nan")}, "noise must be a finite number >= 0, got nan"),
+    ({"label_noise": 1.5}, r"label_noise must be in \[0, 1\], got 1.5"),
+    ({"test_fraction": 0.0}, r"test_fraction must be in \(0, 1\), got 0.0"),
+    ({"n": 3, "test_fraction": 0.9}, "test_fraction=0.9 of n=3 rows leaves no training rows"),
+])
+def test_dense_classification_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate_dense_classification(**{"n": 100, "n_features": 8, **kwargs})
+
+
+def test_synthetic_kind_through_load_dataset_and_a_job_config(tmp_path: Path) -> None:
+    """``kind = "synthetic"`` loads through a spec and a job's [data] table, with its args and seed."""
+    from hmp import job
+    from hmp.config import loads
+    from hmp.errors import ConfigError
+
+    d = load_dataset({"kind": "synthetic", "n": 400, "n_features": 16, "seed": 7, "test_fraction": 0.1})
+    assert torch.equal(d.x_train, generate_dense_classification(400, 16, seed=7, test_fraction=0.1).x_train)
+    with pytest.raises(ValueError, match=r"unknown option.*'features'"):
+        load_dataset({"kind": "synthetic", "features": 16})
+
+    def config(data: str) -> str:
+        return (f'[data]\n{data}\n[[nodes]]\nid = "s"\nrole = "scheduler"\nbind = "tcp://127.0.0.1:5999"\n'
+                '[[nodes]]\nid = "p"\nrole = "ps"\n[[nodes]]\nid = "w"\nrole = "cpu_worker"\n')
+
+    cfg = loads(config('kind = "synthetic"\nseed = 7\ntest_fraction = 0.1\nargs = { n = 400, n_features = 16 }'),
+                str(tmp_path / "job.toml"))
+    assert torch.equal(job.dataset(cfg).x_test, d.x_test)
+    bad = loads(config('kind = "synthetic"\nargs = { n = 400, noise = -1.0 }'), str(tmp_path / "job.toml"))
+    with pytest.raises(ConfigError, match="noise must be a finite number >= 0"):
+        job.dataset(bad)
 
 
 # ---------------------------------------------------------------------------- files

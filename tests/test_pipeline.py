@@ -302,7 +302,7 @@ async def test_replans_when_a_worker_joins_late_and_when_one_leaves(tmp_path):
     """cpu1 is held back (SIGSTOP) so the first plan runs without it; when it joins the loop re-plans with it in
     the embedding stage; when accel0 leaves (SIGTERM) the loop re-plans onto the cpu workers alone, training goes
     on from the step it had reached, and the job finishes with every plan in the report."""
-    cfg = pipeline_config(tmp_path, epochs=200, max_seconds=60.0, join_wait_s=1.0)
+    cfg = pipeline_config(tmp_path, epochs=200, max_seconds=25.0, join_wait_s=1.0)
     async with LocalCluster(cfg) as cluster:
         cluster.kill("cpu1", signal.SIGSTOP)
         try:
@@ -318,12 +318,9 @@ async def test_replans_when_a_worker_joins_late_and_when_one_leaves(tmp_path):
         st = await _wait_for(cluster, lambda s: s["pipeline"]["plan"] >= 3)
         assert [s["resource"] for s in st["pipeline"]["stages"]] == ["cpu"]
         await _wait_for(cluster, lambda s: s["pipeline"]["max_step"] > step["pipeline"]["max_step"] + 5)
-        # Every plan has run: end the job now (final evaluation and report) rather than at max_seconds.
-        await cluster.finish("test done")
         report = await cluster.train(timeout_s=60)
     plans = report["pipeline"]["plans"]
     assert report["pipeline"]["replans"] == 2 and [p["plan"] for p in plans] == [1, 2, 3]
-    assert report["final"]["stop_reason"].startswith("finish requested by launcher: test done")
     assert plans[1]["workers_available"] == {"cpu": 2, "accel": 1}
     assert plans[2]["workers_available"] == {"cpu": 2, "accel": 0}
     assert set(plans[2]["layers"].values()) == {"cpu"}

@@ -291,6 +291,8 @@ class RingWorkerNode(WorkerNode):
     async def ring_tick(self, model: torch.nn.Module, data: Any) -> None:
         """After each step: evaluate (rank 0) and report to the scheduler when they are due."""
         now = time.monotonic()
+        if self.ring is not None and self.ring.rank == 0 and self.next_eval == float("inf"):
+            self.next_eval = now  # rank 0 of a re-formed ring (its old rank 0 was lost) evaluates from now on
         if self.ring is not None and self.ring.rank == 0 and now >= self.next_eval:
             self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
             self.next_eval = now + self.cfg.train.eval_every_s

@@ -152,3 +152,64 @@ def guard(conn: Any, fn: Any) -> None:
         with contextlib.suppress(OSError, BrokenPipeError):
             conn.send(("error", traceback.format_exc()))
         raise
+
+
+class ProcessGroup:
+    """``size`` spawned processes of one peer, started at once and driven block by block over pipes.
+
+    Process ``rank`` runs ``target(*args_of(rank), conn, barrier)`` (the barrier spans the group) and
+    answers each command sent to it with one object, or ``("error", traceback)`` (see :func:`guard`).
+    ``close()`` asks every process to stop, then terminates and kills those that do not (bounded)."""
+
+    def __init__(self, name: str, target: Any, args_of: Any, size: int = 2, timeout_s: float = 300.0) -> None:
+        import multiprocessing as mp
+
+        self.name, self.size, self.timeout_s = name, size, timeout_s
+        ctx = mp.get_context("spawn")
+        self.barrier = ctx.Barrier(size)
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=target, args=(*args_of(rank), child, self.barrier), daemon=True,
+                            name=f"{name}-{size}-{rank}")
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def _recv(self, conn: Any, timeout_s: float | None = None) -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not conn.poll(timeout_s):
+            raise TimeoutError(f"{self.name}: no answer from a process in {timeout_s} s")
+        reply = conn.recv()
+        if isinstance(reply, tuple) and reply and reply[0] == "error":
+            raise RuntimeError(f"{self.name} process failed:\n{reply[1]}")
+        return reply
+
+    def ready(self) -> None:
+        for c in self.conns:
+            self._recv(c)
+
+    def ask(self, *cmd: Any) -> list[Any]:
+        """Send ``cmd`` to every process; their answers in rank order."""
+        for c in self.conns:
+            c.send(cmd)
+        return [self._recv(c) for c in self.conns]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                c.send(("stop",))
+        for p in self.procs:
+            p.join(timeout=15)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()

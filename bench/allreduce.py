@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hmp.collective.ring import DEFAULT_PIECE_BYTES  # noqa: E402
 
-from _stats import (CpuMeter, alternate, cpu_line, fmt_spread, guard, is_quiet, load_average,  # noqa: E402
+from _stats import (CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, guard, is_quiet, load_average,  # noqa: E402
                     quantile, ratios, spread, summary)
 from _emulated import report_lines as emulated_lines, run_emulated  # noqa: E402 - part (b): emulated hosts
 
@@ -227,64 +226,22 @@ def _ring_worker(rank: int, size: int, port: int, alloc: str, ring_opts: dict, c
     guard(conn, body)
 
 
-class Group:
+class Group(ProcessGroup):
     """One peer's ``size`` processes, started at once, driven block by block."""
 
     def __init__(self, spec: PeerSpec, size: int) -> None:
-        self.spec, self.size, self.name = spec, size, spec.name
-        ctx = mp.get_context("spawn")
-        self.barrier = ctx.Barrier(size)
-        self.conns: list[Any] = []
-        self.procs: list[Any] = []
+        self.spec = spec
         port = free_port()
         target = _gloo_worker if spec.kind == "gloo" else _ring_worker
-        for rank in range(size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=target, args=(rank, size, port, spec.alloc, spec.ring_opts, child, self.barrier),
-                            daemon=True,
-                            name=f"{spec.name}-{size}-{rank}")
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
-
-    def _recv(self, conn: Any) -> Any:
-        if not conn.poll(REPLY_TIMEOUT_S):
-            raise TimeoutError(f"{self.name}: no answer from a process in {REPLY_TIMEOUT_S} s")
-        reply = conn.recv()
-        if isinstance(reply, tuple) and reply and reply[0] == "error":
-            raise RuntimeError(f"{self.name} process failed:\n{reply[1]}")
-        return reply
+        super().__init__(spec.name, target, lambda rank: (rank, size, port, spec.alloc, spec.ring_opts), size=size,
+                         timeout_s=REPLY_TIMEOUT_S)
 
     def ready(self) -> None:
-        if self.spec.kind == "ring":
+        if self.spec.kind == "ring":  # ring members first tell their servers' addresses, and hear everyone's
             addresses = [self._recv(c) for c in self.conns]
             for c in self.conns:
                 c.send(addresses)
-        for c in self.conns:
-            self._recv(c)
-
-    def ask(self, *cmd: Any) -> list[Any]:
-        for c in self.conns:
-            c.send(cmd)
-        return [self._recv(c) for c in self.conns]
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def close(self) -> None:
-        for c in self.conns:
-            with contextlib.suppress(OSError, BrokenPipeError):
-                c.send(("stop",))
-        for p in self.procs:
-            p.join(timeout=15)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        super().ready()
 
 
 # ----------------------------------------------------------------------------- driver

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -55,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import (guard, CpuMeter, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
+from _stats import (guard, CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
                     ratios, spread, summary)
 
 MiB = 1 << 20
@@ -143,51 +142,11 @@ def cpu_seconds(pids: list[int]) -> float | None:
     return total / tick
 
 
-class Peer:
+class Peer(ProcessGroup):
     """A pair of worker processes driven block by block over pipes, all started at once."""
 
     def __init__(self, name: str, target: Any, args_of: Any) -> None:
-        self.name = name
-        ctx = mp.get_context("spawn")
-        self.barrier = ctx.Barrier(2)
-        self.conns, self.procs = [], []
-        for rank in range(2):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=target, args=(*args_of(rank), child, self.barrier), daemon=True,
-                            name=f"{name}-{rank}")
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-
-    def _recv(self, conn: Any, timeout_s: float = REPLY_TIMEOUT_S) -> Any:
-        if not conn.poll(timeout_s):
-            raise TimeoutError(f"{self.name}: no answer from a worker process in {timeout_s} s")
-        reply = conn.recv()
-        if isinstance(reply, tuple) and reply and reply[0] == "error":
-            raise RuntimeError(f"{self.name} worker failed:\n{reply[1]}")
-        return reply
-
-    def ready(self) -> None:
-        for c in self.conns:
-            self._recv(c)
-
-    def ask(self, *cmd: Any) -> list[Any]:
-        for c in self.conns:
-            c.send(cmd)
-        return [self._recv(c) for c in self.conns]
-
-    def close(self) -> None:
-        for c in self.conns:
-            with contextlib.suppress(OSError, BrokenPipeError):
-                c.send(("stop",))
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        super().__init__(name, target, args_of, size=2, timeout_s=REPLY_TIMEOUT_S)
 
 
 class Daemons:

@@ -1,0 +1,96 @@
+"""The contract between GADGET's pure parts and whatever runs jobs (the simulator, the real job manager).
+
+A *placement* is how many workers a job has on each host: a tuple indexed like ``ClusterSpec.hosts``.
+A *scheduler* is called on every arrival and completion with a :class:`ClusterView` and answers which
+pending jobs start now, and where. Schedulers never move or resize a running job (no preemption): the
+real cluster cannot migrate a running ring cheaply, and the simulator models the same rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+#: workers per host, indexed like ClusterSpec.hosts; sum = the job's worker count
+Placement = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+    """One host: its worker slots and its link to the switch (bytes/s, each direction)."""
+
+    name: str
+    slots: int
+    link_bytes_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Hosts on one switch (a star): a ring that spans hosts crosses each spanned host's link."""
+
+    hosts: tuple[HostSpec, ...]
+
+    @property
+    def total_slots(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+
+class Utility(Protocol):
+    def __call__(self, completion_s: float) -> float:
+        """Value of the job finishing ``completion_s`` seconds after its submission (>= 0)."""
+        ...
+
+
+class CostModel(Protocol):
+    def iteration_s(self, model: str, placement: Placement, others: Sequence[tuple[str, Placement]] = ()) -> float:
+        """Seconds per iteration of a ring of ``model`` placed so, while the rings ``others``
+        (model, placement) run too and share the host links they cross."""
+        ...
+
+    def samples_per_iteration(self, model: str, workers: int) -> float:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingJob:
+    """What a scheduler may know about a job that waits for workers."""
+
+    job_id: str
+    submit_s: float
+    model: str               # a model type the cost model knows (gradient bytes, compute time)
+    min_workers: int
+    max_workers: int
+    requested_workers: int   # what the user asked for (the trace's num_gpus)
+    samples: float           # work left, in training samples (each iteration does workers x local batch)
+    utility: Utility         # value of finishing at a given completion time
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningJob:
+    job_id: str
+    model: str
+    placement: Placement
+    start_s: float
+    samples_left: float
+    utility: Utility
+    attained_s: float        # worker-seconds received so far (Tiresias' attained service)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterView:
+    now_s: float
+    cluster: ClusterSpec
+    free: tuple[int, ...]                 # free slots per host
+    pending: Sequence[PendingJob]         # in submit order
+    running: Mapping[str, RunningJob]
+    cost: CostModel
+
+
+class Scheduler(Protocol):
+    name: str
+
+    def schedule(self, view: ClusterView) -> dict[str, Placement]:
+        """Pending job id -> placement for the jobs that start now; every placement must fit ``view.free``
+        and give the job between min_workers and max_workers workers."""
+        ...

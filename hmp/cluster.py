@@ -3,7 +3,8 @@
     async with hmp.LocalCluster("conf/local.toml") as cluster:
         report = await cluster.train()
 
-Every daemon is its own OS process (``python -m hmp.nodes.main ROLE --config F --id N``), its log in
+Every daemon is its own OS process (what ``python -m hmp.nodes.main ROLE --config F --id N`` runs, forked from
+a server that has imported torch once: :mod:`hmp.nodes.forkserver`; ``HMP_FORKSERVER=0`` execs each), its log in
 ``<report_dir>/logs/<id>.log``. ``train()`` watches them: if any exits non-zero the others are
 stopped and :class:`JobFailed` names it; leaving the ``async with`` block stops whatever still
 runs (SIGTERM, then SIGKILL after a grace period), so no process outlives the cluster.
@@ -37,6 +38,8 @@ from hmp.config import Config, Role
 from hmp.emulate import EmulatedHosts, check_placement, topology_on_hosts
 from hmp.errors import HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
+from hmp.nodes.forkserver import ForkedProcess, ForkServer
+from hmp.nodes.forkserver import enabled as forkserver_enabled
 from hmp.transport.endpoint import Client
 from hmp.transport.shm import cleanup_stale
 
@@ -115,7 +118,7 @@ class LocalCluster:
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.resume = resume
         self.grace_s = grace_s
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.procs: dict[str, asyncio.subprocess.Process | ForkedProcess] = {}
         self.log_dir = self.cfg.report_dir / "logs"
         self._logs: dict[str, Any] = {}
         self._status_client: Client | None = None  # one socket for every status() poll, closed in stop()
@@ -136,11 +139,16 @@ class LocalCluster:
         cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)  # shared memory left by this job's killed daemons
         if self.hosts is not None:
             await self._start_hosts()
+        forks = ForkServer.shared() if self.hosts is None and forkserver_enabled() else None
         for role in START_ORDER:
             for node in self.cfg.by_role(role):
-                cmd = [sys.executable, "-m", "hmp.nodes.main", role, "--config", self.config_path, "--id", node.id]
+                args = [role, "--config", self.config_path, "--id", node.id]
                 if role == Role.PS and self.resume:
-                    cmd.append("--resume")
+                    args.append("--resume")
+                if forks is not None:  # a fork of a process that has imported torch already (docs/architecture.md)
+                    self.procs[node.id] = await forks.spawn(args, env=self.env, log=str(self.log_dir / f"{node.id}.log"))
+                    continue
+                cmd = [sys.executable, "-m", "hmp.nodes.main", *args]
                 if self.hosts is not None:
                     cmd = self.hosts.command(node.host, cmd)  # `ip netns exec` execs the daemon: same pid
                 logf = open(self.log_dir / f"{node.id}.log", "wb")  # noqa: SIM115 - closed in stop()

@@ -4,7 +4,8 @@
         report = await cluster.train()
 
 Every daemon is its own OS process (what ``python -m hmp.nodes.main ROLE --config F --id N`` runs, forked from
-a server that has imported torch once: :mod:`hmp.nodes.forkserver`; ``HMP_FORKSERVER=0`` execs each), its log in
+a server that has imported torch once, one per emulated host: :mod:`hmp.nodes.forkserver`; ``HMP_FORKSERVER=0``
+execs each), its log in
 ``<report_dir>/logs/<id>.log``. ``train()`` watches them: if any exits non-zero the others are
 stopped and :class:`JobFailed` names it; leaving the ``async with`` block stops whatever still
 runs (SIGTERM, then SIGKILL after a grace period), so no process outlives the cluster.
@@ -139,14 +140,13 @@ class LocalCluster:
         cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)  # shared memory left by this job's killed daemons
         if self.hosts is not None:
             await self._start_hosts()
-        forks = ForkServer.shared() if self.hosts is None and forkserver_enabled() else None
         for role in START_ORDER:
             for node in self.cfg.by_role(role):
                 args = [role, "--config", self.config_path, "--id", node.id]
                 if role == Role.PS and self.resume:
                     args.append("--resume")
-                if forks is not None:  # a fork of a process that has imported torch already (docs/architecture.md)
-                    self.procs[node.id] = await forks.spawn(args, env=self.env, log=str(self.log_dir / f"{node.id}.log"))
+                if forkserver_enabled():  # a fork of a process that has imported torch already (docs/architecture.md)
+                    self.procs[node.id] = await self._fork(node.host, args, str(self.log_dir / f"{node.id}.log"))
                     continue
                 cmd = [sys.executable, "-m", "hmp.nodes.main", *args]
                 if self.hosts is not None:
@@ -157,6 +157,14 @@ class LocalCluster:
                 # the daemons in order instead of all of them dying at once.
                 self.procs[node.id] = await asyncio.create_subprocess_exec(
                     *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    async def _fork(self, host: str, args: list[str], log: str) -> ForkedProcess:
+        """Fork the daemon from this process's fork server for its host (one per emulated host, inside it)."""
+        prefix = self.hosts.command(host, []) if self.hosts is not None else []
+        try:
+            return await ForkServer.shared(prefix).spawn(args, env=self.env, log=log)
+        except OSError:  # that server ended (its host was removed and made again): start another, once
+            return await ForkServer.shared(prefix).spawn(args, env=self.env, log=log)
 
     async def _start_hosts(self) -> None:
         """Make the hosts (when the cluster owns them) and write the config the daemons read there."""

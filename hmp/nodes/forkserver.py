@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -179,12 +180,14 @@ class ForkServer:
     """The client side: one server per process, started on first use, shared by every cluster (and every
     event loop: replies arrive on a reader thread and resolve thread-safe futures)."""
 
-    _instance: ForkServer | None = None
-    _instance_lock = threading.Lock()
+    _instances: dict[tuple[str, ...], ForkServer] = {}
+    _instances_lock = threading.Lock()
 
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "hmp.nodes.forkserver"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, start_new_session=True)
+    def __init__(self, prefix: Sequence[str] = ()) -> None:
+        """``prefix`` runs the server through a wrapper, e.g. ``ip netns exec NS``: its daemons then run
+        inside that emulated host (and the server ends when the host is removed with what runs in it)."""
+        self._proc = subprocess.Popen([*prefix, sys.executable, "-m", "hmp.nodes.forkserver"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self._lock = threading.Lock()
         self._next_id = 0
         self._spawns: dict[int, concurrent.futures.Future[int]] = {}
@@ -199,12 +202,15 @@ class ForkServer:
         return not self._dead
 
     @classmethod
-    def shared(cls) -> ForkServer:
-        with cls._instance_lock:
-            if cls._instance is None or cls._instance._dead:
-                cls._instance = cls()
-                atexit.register(cls._instance.close)
-            return cls._instance
+    def shared(cls, prefix: Sequence[str] = ()) -> ForkServer:
+        """This process's server for ``prefix`` (started now if there is none, or it has ended)."""
+        key = tuple(prefix)
+        with cls._instances_lock:
+            server = cls._instances.get(key)
+            if server is None or server._dead:
+                server = cls._instances[key] = cls(key)
+                atexit.register(server.close)
+            return server
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
@@ -223,6 +229,7 @@ class ForkServer:
                 spawn.set_exception(OSError(msg["error"]))
             else:
                 spawn.set_result(msg["pid"])
+        self._proc.wait()
         with self._lock:  # the server is gone: nothing will report these exits any more
             self._dead = True
             for fut in self._spawns.values():
@@ -242,8 +249,13 @@ class ForkServer:
             self._spawns[rid] = spawned
             assert self._proc.stdin is not None
             req = {"id": rid, "argv": argv, "env": env, "log": log, "cwd": cwd or os.getcwd()}
-            self._proc.stdin.write((json.dumps(req) + "\n").encode())
-            self._proc.stdin.flush()
+            try:
+                self._proc.stdin.write((json.dumps(req) + "\n").encode())
+                self._proc.stdin.flush()
+            except (OSError, ValueError):  # ended (its host removed?) before the reader thread saw it
+                self._spawns.pop(rid)
+                self._dead = True
+                raise OSError("the fork server exited") from None
         # Waits while the server imports (its first request) or forks; never long, but it must not block the loop.
         pid = await asyncio.wrap_future(spawned)
         exited: concurrent.futures.Future[int] = concurrent.futures.Future()

@@ -4,8 +4,8 @@
         report = await cluster.train()
 
 Every daemon is its own OS process (what ``python -m hmp.nodes.main ROLE --config F --id N`` runs, forked from
-a server that has imported torch once, one per emulated host: :mod:`hmp.nodes.forkserver`; ``HMP_FORKSERVER=0``
-execs each), its log in
+a server that has imported torch once: :mod:`hmp.nodes.forkserver`; on emulated hosts each enters its host's
+network namespace after the fork; ``HMP_FORKSERVER=0`` execs each), its log in
 ``<report_dir>/logs/<id>.log``. ``train()`` watches them: if any exits non-zero the others are
 stopped and :class:`JobFailed` names it; leaving the ``async with`` block stops whatever still
 runs (SIGTERM, then SIGKILL after a grace period), so no process outlives the cluster.
@@ -39,7 +39,7 @@ from hmp.config import Config, Role
 from hmp.emulate import EmulatedHosts, check_placement, topology_on_hosts
 from hmp.errors import HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
-from hmp.nodes.forkserver import ForkedProcess, ForkServer
+from hmp.nodes.forkserver import ForkedProcess, ForkServer, ForkServerExited
 from hmp.nodes.forkserver import enabled as forkserver_enabled
 from hmp.transport.endpoint import Client
 from hmp.transport.shm import cleanup_stale
@@ -159,12 +159,12 @@ class LocalCluster:
                     *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
 
     async def _fork(self, host: str, args: list[str], log: str) -> ForkedProcess:
-        """Fork the daemon from this process's fork server for its host (one per emulated host, inside it)."""
-        prefix = self.hosts.command(host, []) if self.hosts is not None else []
+        """Fork the daemon from this process's fork server (into its emulated host's network, if any)."""
+        netns = self.hosts.netns(host) if self.hosts is not None else None
         try:
-            return await ForkServer.shared(prefix).spawn(args, env=self.env, log=log)
-        except OSError:  # that server ended (its host was removed and made again): start another, once
-            return await ForkServer.shared(prefix).spawn(args, env=self.env, log=log)
+            return await ForkServer.shared().spawn(args, env=self.env, log=log, netns=netns)
+        except ForkServerExited:  # it ended (killed?) before its reader thread saw it: shared() starts another
+            return await ForkServer.shared().spawn(args, env=self.env, log=log, netns=netns)
 
     async def _start_hosts(self) -> None:
         """Make the hosts (when the cluster owns them) and write the config the daemons read there."""

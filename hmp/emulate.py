@@ -17,6 +17,7 @@ Hosts file::
     name = "h0"
     bandwidth_mbit = 1000       # each direction of the host's link
     delay_ms = 0.25             # one way, added on the host's outgoing side
+    slots = 2                   # worker slots the job manager may fill here (hmp-manager; default 1)
 
 It needs root (CAP_NET_ADMIN) and ``iproute2``; where namespaces cannot be created,
 :class:`EmulationUnavailable` says why (tests skip with that reason).
@@ -67,6 +68,7 @@ class HostSpec:
     name: str
     bandwidth_mbit: float = 1000.0
     delay_ms: float = 0.0
+    slots: int = 1  #: worker slots the job manager (hmp.jobs) may fill on this host; nothing else reads it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +107,9 @@ def load_hosts(path: str | os.PathLike) -> tuple[list[HostSpec], ipaddress.IPv4N
         key = f"hosts[{i}]"
         if not isinstance(h, dict):
             raise ConfigError(p, key, "a table")
-        extra = sorted(set(h) - {"name", "bandwidth_mbit", "delay_ms"})
+        extra = sorted(set(h) - {"name", "bandwidth_mbit", "delay_ms", "slots"})
         if extra:
-            raise ConfigError(p, f"{key}.{extra[0]}", "unknown key; expected name, bandwidth_mbit, delay_ms")
+            raise ConfigError(p, f"{key}.{extra[0]}", "unknown key; expected name, bandwidth_mbit, delay_ms, slots")
         name = h.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(p, f"{key}.name", f"a short lowercase name (letter, then letters, digits or _; "
@@ -120,7 +122,10 @@ def load_hosts(path: str | os.PathLike) -> tuple[list[HostSpec], ipaddress.IPv4N
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                 raise ConfigError(p, f"{key}.{k}", f"a number {'> 0' if k == 'bandwidth_mbit' else '>= 0'}, "
                                                    f"got {v!r}")
-        specs.append(HostSpec(name, float(bw), float(delay)))
+        slots = h.get("slots", 1)
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ConfigError(p, f"{key}.slots", f"an integer >= 1 (worker slots), got {slots!r}")
+        specs.append(HostSpec(name, float(bw), float(delay), slots))
     if len(specs) > subnet.num_addresses - 2:
         raise ConfigError(p, "network.subnet", f"room for {len(specs)} hosts, {subnet} has too few addresses")
     return specs, subnet
@@ -293,6 +298,12 @@ class EmulatedHosts:
 
     def address(self, host: str) -> str:
         return self.hosts[host].address
+
+    def netns(self, host: str) -> str:
+        """The name of ``host``'s network namespace (``/run/netns/NAME``)."""
+        if host not in self.hosts:
+            raise KeyError(f"no emulated host {host!r}; hosts are {sorted(self.hosts)}")
+        return self.hosts[host].netns
 
     def command(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` wrapped to run inside ``host``'s namespace."""

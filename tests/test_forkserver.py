@@ -15,11 +15,7 @@ from tests.cluster_util import write_config
 
 @pytest.fixture
 def server():
-    srv = ForkServer()
-    try:
-        yield srv
-    finally:
-        srv.close()
+    return ForkServer.shared()  # the one LocalCluster uses in this process (it has imported torch already)
 
 
 async def test_a_bad_argument_exits_2_with_usage_in_the_daemons_log(server, tmp_path):

@@ -3,8 +3,9 @@
 Every daemon used to be a fresh ``python -m hmp.nodes.main``; importing torch, numpy and hmp's node modules
 costs about 2.5 s of CPU per daemon, so a five-daemon job on two cores spent ~6 s just starting. The fork
 server is one process that imports all of that once and forks a daemon per request: a fork costs a few ms.
-:class:`hmp.cluster.LocalCluster` uses it for daemons on this machine's own network (not inside emulated
-hosts, where ``ip netns exec`` must exec); ``HMP_FORKSERVER=0`` turns it off.
+:class:`hmp.cluster.LocalCluster` uses it for daemons on this machine's own network (a daemon of an emulated host
+enters the host's network namespace right after the fork, as ``ip netns exec`` would); ``HMP_FORKSERVER=0``
+turns it off.
 
 Each forked daemon is what ``python -m hmp.nodes.main ROLE ARGS`` would be: its own session, stdout and
 stderr to its log file, stdin from /dev/null, the requested environment and working directory, fresh
@@ -14,7 +15,7 @@ forking (importing numpy starts OpenBLAS's threads, which its own fork handlers 
 torch's DataLoader workers).
 
 Protocol on the server's stdin/stdout, JSON lines:
-  request ``{"id", "argv": [ROLE, ...], "env": {...}, "cwd", "log"}`` -> ``{"id", "pid"}`` or ``{"id", "error"}``;
+  request ``{"id", "argv": [ROLE, ...], "env": {...}, "cwd", "log", "netns": NAME | null}`` -> ``{"id", "pid"}`` or ``{"id", "error"}``;
   when a daemon exits: ``{"exit": PID, "code": C}`` (C < 0: killed by signal -C, as ``Popen.returncode``).
 The server exits at the end of its stdin (its parent closed it, or died) or on SIGTERM/SIGINT; daemons it
 started keep running (their cluster stops them) and are reparented.
@@ -34,11 +35,27 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
 from typing import Any
 
 
 # ---------------------------------------------------------------------------------------------- the server
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process into the named network namespace (``ip netns add NAME``; needs root)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _child(request: dict[str, Any], wakeup_fds: tuple[int, int]) -> None:
@@ -49,6 +66,8 @@ def _child(request: dict[str, Any], wakeup_fds: tuple[int, int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in wakeup_fds:
             os.close(fd)
+        if request.get("netns"):  # an emulated host: what `ip netns exec` does, for the network (all a daemon uses)
+            _enter_netns(request["netns"])
         os.setsid()  # as start_new_session: a Ctrl-C on the terminal reaches the launcher only
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -151,6 +170,10 @@ def serve() -> int:
 # ---------------------------------------------------------------------------------------------- the client
 
 
+class ForkServerExited(OSError):
+    """The fork server is gone (killed, or its stdin closed); :meth:`ForkServer.shared` starts another."""
+
+
 class ForkedProcess:
     """A daemon forked by the server, with the part of ``asyncio.subprocess.Process`` the cluster uses."""
 
@@ -180,14 +203,12 @@ class ForkServer:
     """The client side: one server per process, started on first use, shared by every cluster (and every
     event loop: replies arrive on a reader thread and resolve thread-safe futures)."""
 
-    _instances: dict[tuple[str, ...], ForkServer] = {}
-    _instances_lock = threading.Lock()
+    _instance: ForkServer | None = None
+    _instance_lock = threading.Lock()
 
-    def __init__(self, prefix: Sequence[str] = ()) -> None:
-        """``prefix`` runs the server through a wrapper, e.g. ``ip netns exec NS``: its daemons then run
-        inside that emulated host (and the server ends when the host is removed with what runs in it)."""
-        self._proc = subprocess.Popen([*prefix, sys.executable, "-m", "hmp.nodes.forkserver"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "hmp.nodes.forkserver"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, start_new_session=True)
         self._lock = threading.Lock()
         self._next_id = 0
         self._spawns: dict[int, concurrent.futures.Future[int]] = {}
@@ -202,15 +223,13 @@ class ForkServer:
         return not self._dead
 
     @classmethod
-    def shared(cls, prefix: Sequence[str] = ()) -> ForkServer:
-        """This process's server for ``prefix`` (started now if there is none, or it has ended)."""
-        key = tuple(prefix)
-        with cls._instances_lock:
-            server = cls._instances.get(key)
-            if server is None or server._dead:
-                server = cls._instances[key] = cls(key)
-                atexit.register(server.close)
-            return server
+    def shared(cls) -> ForkServer:
+        """This process's server (started now if there is none, or it has ended)."""
+        with cls._instance_lock:
+            if cls._instance is None or cls._instance._dead:
+                cls._instance = cls()
+                atexit.register(cls._instance.close)
+            return cls._instance
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
@@ -233,29 +252,31 @@ class ForkServer:
         with self._lock:  # the server is gone: nothing will report these exits any more
             self._dead = True
             for fut in self._spawns.values():
-                fut.set_exception(OSError("the fork server exited"))
+                fut.set_exception(ForkServerExited("the fork server exited"))
             for fut in self._exits.values():
                 if not fut.done():
                     fut.set_result(-1)
 
-    async def spawn(self, argv: list[str], *, env: dict[str, str], log: str, cwd: str | None = None) -> ForkedProcess:
-        """Fork ``python -m hmp.nodes.main *argv`` with this environment, its output to ``log``."""
+    async def spawn(self, argv: list[str], *, env: dict[str, str], log: str, cwd: str | None = None,
+                    netns: str | None = None) -> ForkedProcess:
+        """Fork ``python -m hmp.nodes.main *argv`` with this environment, its output to ``log``; with ``netns``,
+        inside that network namespace (an emulated host's; it is removed with whatever runs in it)."""
         spawned: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._lock:
             if self._dead:
-                raise OSError("the fork server exited")
+                raise ForkServerExited("the fork server exited")
             self._next_id += 1
             rid = self._next_id
             self._spawns[rid] = spawned
             assert self._proc.stdin is not None
-            req = {"id": rid, "argv": argv, "env": env, "log": log, "cwd": cwd or os.getcwd()}
+            req = {"id": rid, "argv": argv, "env": env, "log": log, "cwd": cwd or os.getcwd(), "netns": netns}
             try:
                 self._proc.stdin.write((json.dumps(req) + "\n").encode())
                 self._proc.stdin.flush()
-            except (OSError, ValueError):  # ended (its host removed?) before the reader thread saw it
+            except (OSError, ValueError):  # it ended before the reader thread saw it
                 self._spawns.pop(rid)
                 self._dead = True
-                raise OSError("the fork server exited") from None
+                raise ForkServerExited("the fork server exited") from None
         # Waits while the server imports (its first request) or forks; never long, but it must not block the loop.
         pid = await asyncio.wrap_future(spawned)
         exited: concurrent.futures.Future[int] = concurrent.futures.Future()

@@ -52,6 +52,20 @@ class CostModel(Protocol):
         ...
 
 
+class LoadedCostModel(CostModel, Protocol):
+    """Added: the fast paths GADGET and the simulator use (``hmp.gadget.model.RingCostModel`` has them)."""
+
+    def iteration_s_loaded(self, model: str, placement: Placement, link_rings: Sequence[int], *,
+                           counted: bool = False, extra: Placement | None = None) -> float:
+        """Like ``iteration_s`` with the rings given as a count per host link: the *other* rings, or all of
+        them with ``counted=True``; ``extra``: one more ring about to start."""
+        ...
+
+    def compact_placement(self, workers: int) -> Placement:
+        """The placement ``workers`` get alone on the empty cluster (fewest hosts)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class PendingJob:
     """What a scheduler may know about a job that waits for workers."""
@@ -75,6 +89,9 @@ class RunningJob:
     samples_left: float
     utility: Utility
     attained_s: float        # worker-seconds received so far (Tiresias' attained service)
+    # Added (default keeps old call sites valid): when the job was submitted. GADGET needs it to price the
+    # utility a running ring loses when a new ring shares its links; None = unknown, that loss is not priced.
+    submit_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

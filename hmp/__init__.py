@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LocalCluster", "PSClient", "load_config", "__version__"]
+__all__ = ["JobManager", "LocalCluster", "PSClient", "load_config", "__version__"]
 
 
 def __getattr__(name: str):
@@ -12,6 +12,9 @@ def __getattr__(name: str):
     if name == "LocalCluster":
         from hmp.cluster import LocalCluster
         return LocalCluster
+    if name == "JobManager":
+        from hmp.jobs.manager import JobManager
+        return JobManager
     if name == "PSClient":
         from hmp.client import PSClient
         return PSClient

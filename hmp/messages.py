@@ -42,6 +42,7 @@ class Kind(enum.Enum):
     RING_ASSIGN = "ring_assign"
     SHM = "shm"
     SHM_RELEASE = "shm_release"
+    SUBMIT = "submit"
     # data
     INIT = "init"
     PUSH = "push"
@@ -59,7 +60,7 @@ class Kind(enum.Enum):
 
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
-                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE})
+                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE, Kind.SUBMIT})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -295,6 +296,17 @@ class ShmRelease(Message):
 
     segment: str
     slots: tuple[int, ...]
+
+
+@message(Kind.SUBMIT)
+class Submit(Message):
+    """Client -> job manager (``hmp-submit``, docs/jobs.md): run the job file ``job`` (its TOML text;
+    ``path`` names it in errors and resolves its relative data paths). Answered by :class:`Ack` whose
+    ``detail`` is the job's id, or an ``error`` (code ``bad_config``: the file is refused, nothing else changes).
+    The job's progress and result: a ``status`` request to the manager (``state.jobs[id]``)."""
+
+    job: str
+    path: str = ""
 
 
 # ----------------------------------------------------------------------------- data kinds

@@ -1,1 +1,10 @@
-"""Cluster mode: a job manager that places submitted ring-all-reduce jobs onto hosts' worker slots (docs/gadget.md)."""
+"""Cluster mode: a job manager that places submitted ring-all-reduce jobs onto hosts' worker slots (docs/jobs.md).
+
+* :mod:`hmp.jobs.spec`: job files (an hmp config without ``[[nodes]]``, plus ``[submit]``) and the topology a
+  placed job becomes;
+* :mod:`hmp.jobs.utility`: a job file's utility table -> :mod:`hmp.gadget.jobs`' utility functions;
+* :mod:`hmp.jobs.core`: the sans-IO core (slots, queue, running jobs, the scheduler's checked decisions);
+* :mod:`hmp.jobs.manager`: the asyncio shell (:class:`~hmp.jobs.manager.JobManager`), each job a
+  :class:`~hmp.cluster.LocalCluster` on the shared emulated hosts;
+* :mod:`hmp.jobs.cli`: ``hmp-manager`` and ``hmp-submit``.
+"""

@@ -217,8 +217,12 @@ class RingWorkerNode(WorkerNode):
                       members=len(self.ring.addresses) if self.ring else 0, device=str(self.device))
         loss_avg = None
         ring_op = 0  # op numbers restart with each ring generation
+        # Per-step wall time (compute, all-reduce, update; not evaluation or reports), for the job manager's
+        # measured iteration time: the first step is left out (it connects the ring and warms up).
+        timed_s, timed_steps = 0.0, 0
         try:
             while True:
+                t_step = time.perf_counter()
                 ring = self.ring
                 assert ring is not None
                 n, rank = len(ring.addresses), ring.rank
@@ -275,6 +279,9 @@ class RingWorkerNode(WorkerNode):
                 await self.in_thread(update)
                 self.cursor += global_batch
                 self.step += 1
+                if self.step > 1:
+                    timed_s, timed_steps = timed_s + time.perf_counter() - t_step, timed_steps + 1
+                    self.metrics["step_s"] = timed_s / timed_steps
                 if control[_SAMPLES] > 0:
                     loss_avg = ema(loss_avg, float(control[_LOSS] / control[_SAMPLES]), 0.9)
                 self.metrics.update(samples=self.metrics["samples"] + (len(idx) if idx is not None else 0),

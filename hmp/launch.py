@@ -18,11 +18,10 @@ from typing import Any
 
 import uvloop
 
-from hmp.cluster import JobFailed, LocalCluster
-from hmp import job
 from hmp import log as hmp_log
 from hmp.emulate import EmulationUnavailable
 from hmp.errors import ConfigError
+from hmp.nodes import forkserver
 
 
 class ProgressBar:
@@ -60,6 +59,11 @@ class ProgressBar:
 
 
 async def _launch(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: main() has started the fork server first, so its import of torch and
+    # this process's (through hmp.job) run at once on two cores instead of one after the other (~2 s).
+    from hmp import job
+    from hmp.cluster import JobFailed, LocalCluster
+
     cfg = job.with_env(job.load(args.config))
     hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
     bar = ProgressBar(cfg.train.epochs)
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", metavar="HOSTS.toml", default=None,
                     help="run each daemon on the emulated host its [[nodes]] host names (docs/emulate.md; needs root)")
     args = ap.parse_args(argv)
+    if forkserver.enabled():
+        forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
     try:
         return uvloop.run(_launch(args))
     except ConfigError as exc:

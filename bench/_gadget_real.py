@@ -13,10 +13,15 @@ Method.
 1. *Probes* (calibration): each model type runs on 1 worker, 2 on one host, 1+1, 2+2 and 1+1+1+1 hosts,
    in four groups of jobs that run together (:data:`PROBE_GROUPS`, placed by a pinned scheduler; the last
    group's two rings share every link); each job's measured iteration time (the ring workers' mean step
-   time, ``step_s``, median over the ring) is a measurement, and the cost model's constants (per-model
-   compute, intra-host bandwidth, link efficiency, hop latency) are fitted to them as in step 5, starting
-   from each model's gradient bytes and its compute time profiled in this process. The replays' schedulers
-   get this fit (hmp.gadget's model: the constants, not step 5's CPU-sharing term).
+   time, ``step_s``, median over the ring) is a measurement, with the rings that ran beside it stretch by
+   stretch (:class:`hmp.gadget.model.IterationSample` ``segments``). The cost model is hmp.gadget's with
+   its two optional terms on: the 8 slots share this machine's cores (one compute pool,
+   ``cluster_spec(specs, cores=...)``: a ring's compute is stretched by max(1, busy workers / effective
+   cores)) and links shared by n rings give each ``1 / (1 + beta (n - 1))`` of their rate. Its constants
+   (per-model compute, intra-host bandwidth, link efficiency, hop latency, effective cores, beta) are fitted
+   by :func:`hmp.gadget.model.calibrate` (``robust=True``: least absolute relative error, the figure being a
+   median), starting from each model's gradient bytes and its compute time profiled in this process. This
+   probe fit is the model the replays' schedulers (GADGET included) and the simulations of step 3 use.
 2. *The slice*: ``--real-jobs`` (20) consecutive jobs of the trace from ``--real-start`` (1000: a busy
    stretch with 1- to 32-GPU jobs), GPU counts clipped to 4. Arrivals are compressed linearly to
    ``--real-arrive-s`` (40 s); durations (3 min to 4 days in the trace) are mapped log-linearly onto 2-10 s
@@ -30,20 +35,14 @@ Method.
 4. *Replays*: the jobs are submitted at their compressed times to a JobManager running GADGET, then to one
    running the best baseline; each job's utility is its utility function at its real completion time.
    ``real_utility_vs_best_baseline`` = GADGET's total / the baseline's (target > 1.0).
-5. *Model error*: every job of the probes and of both replays is a measurement: its placement, its measured
-   iteration time, and the rings that ran beside it, stretch by stretch. hmp.gadget's model gives every slot
-   a CPU of its own, but here the 8 emulated slots share this machine's cores; so the model used for the
-   figure is hmp.gadget's plus one term (ours): in each stretch of a job's run, its compute time is
-   stretched by ``max(1, demand / cores)``, ``demand`` = the sum over the rings running (its own included)
-   of workers x their compute share of an iteration alone. The constants (compute per model type,
-   1/intra-host bandwidth, 1/link efficiency, hop latency: those of :func:`hmp.gadget.model.calibrate`) are
-   fitted by non-negative least absolute relative error (iteratively reweighted NNLS) for each ``cores`` of
-   :data:`CORES` (inf: no such term, which is ``calibrate`` itself), the best kept. A job's prediction is
-   averaged over its stretches. ``model_error`` = the median over the placements seen (model type x
-   workers per host) of the median |predicted - measured| / measured (target <= 0.2), fitted on every job;
-   ``model_error_without_cpu_sharing``: ``calibrate``'s fit, no such term; ``model_error_probe_fit``: the
-   probe-only fit on the replays' jobs (out of sample). GADGET itself schedules with the probe fit's
-   hmp.gadget model (no CPU term: the scheduler interface has none).
+5. *Model error*: every job of the probes and of both replays is a measurement (step 1). The model, the
+   same class GADGET schedules with, is re-fitted on every job; a job's prediction is
+   :func:`hmp.gadget.model.predict_sample` (the model's iteration time averaged over the job's stretches).
+   ``model_error`` = the median over the placements seen (model type x workers per host) of the median
+   |predicted - measured| / measured (target <= 0.2). For comparison: ``model_error_fair_link_shares``
+   (beta = 1), ``model_error_plain`` (no shared compute, beta = 1: the model before the shared-compute
+   term), both fitted on every job too; ``model_error_probe_fit``: the probe fit GADGET actually scheduled
+   with, on the replays' jobs (out of sample), and ``model_error_plain_probe_fit`` the same for the plain model.
 
     python bench/_gadget_real.py [--json] [--real-jobs 20] [--real-start 1000] [--real-arrive-s 40] [--seed 0]
 
@@ -59,6 +58,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -69,9 +69,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from scipy.optimize import nnls
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -81,8 +78,7 @@ from hmp.emulate import EmulatedHosts, EmulationUnavailable, load_hosts  # noqa:
 from hmp.gadget.interface import PendingJob, Placement  # noqa: E402
 from hmp.gadget.jobs import (ConvergenceStop, LinearDecay, SigmoidDeadline, TraceJob, UtilityMix,  # noqa: E402
                              jobs_from_trace, read_trace)
-from hmp.gadget.model import (IterationSample, ModelType, NetworkConstants, RingCostModel, calibrate,  # noqa: E402
-                              ring_factor)
+from hmp.gadget.model import IterationSample, ModelType, RingCostModel, calibrate, predict_sample  # noqa: E402
 from hmp.gadget.schedulers import make_scheduler  # noqa: E402
 from hmp.gadget.simulate import simulate  # noqa: E402
 from hmp.jobs.manager import DEFAULT_NETWORK, DONE, JobManager, JobResult, cluster_spec  # noqa: E402
@@ -204,94 +200,24 @@ def _segments(job: JobResult, others: Sequence[JobResult], hosts: Sequence[str])
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Observed:
-    """One finished job as the cost model sees it: what ran beside it, stretch by stretch."""
-
-    model: str
-    placement: Placement
-    measured_s: float
-    segments: tuple[tuple[float, tuple], ...]   # (seconds, other rings (model, placement)) over its run
-
-    @property
-    def longest_beside(self) -> tuple:
-        return max(self.segments, key=lambda s: s[0])[1] if self.segments else ()
+def _observed(run: Sequence[JobResult], hosts: Sequence[str]) -> list[IterationSample]:
+    """Each finished job as the cost model sees it: its placement, its measured iteration time, and what ran
+    beside it, stretch by stretch (``others``: the longest stretch's)."""
+    out = []
+    for r in run:
+        if r.status == DONE and r.iteration_s > 0:
+            segs = tuple(_segments(r, run, hosts))
+            longest = max(segs, key=lambda seg: seg[0])[1] if segs else ()
+            out.append(IterationSample(r.model_type, _placement(r, hosts), r.iteration_s, longest, segs))
+    return out
 
 
-def _observed(run: Sequence[JobResult], hosts: Sequence[str]) -> list[Observed]:
-    return [Observed(r.model_type, _placement(r, hosts), r.iteration_s, tuple(_segments(r, run, hosts)))
-            for r in run if r.status == DONE and r.iteration_s > 0]
-
-
-def _cpu_slowdown(cost: RingCostModel, cores: float, model: str, placement: Placement, beside: tuple) -> float:
-    """How much longer compute takes when the rings running together want more CPU than ``cores``: each ring
-    wants its workers x its compute share of an iteration (the model's compute / iteration time, alone)."""
-    if math.isinf(cores):
-        return 1.0
-    demand = 0.0
-    for m, p in ((model, placement), *beside):
-        demand += sum(p) * cost.model_type(m).compute_s / cost.iteration_s(m, p)
-    return max(1.0, demand / cores)
-
-
-def _predict(cost: RingCostModel, cores: float, o: Observed) -> float:
-    """The cost model's iteration time averaged over the job's stretches, its compute term stretched by the
-    CPU oversubscription of each stretch (``cores`` = inf: the cost model as it is)."""
-    segs = o.segments or ((1.0, ()),)
-    span = sum(d for d, _ in segs) or 1.0
-    compute = cost.model_type(o.model).compute_s
-    return sum(d * (cost.iteration_s(o.model, o.placement, beside)
-                    + compute * (_cpu_slowdown(cost, cores, o.model, o.placement, beside) - 1.0))
-               for d, beside in segs) / span
-
-
-def _fit(prior: RingCostModel, obs: Sequence[Observed], cores: float) -> RingCostModel:
-    """Least squares on relative error, as :func:`hmp.gadget.model.calibrate` (same unknowns: compute per
-    model type, 1/intra-host bandwidth, 1/link efficiency, hop latency; non-negative), with each job's compute
-    column stretched by its run's CPU slowdown (from the previous round's constants; two rounds). With
-    ``cores`` = inf this is ``calibrate`` itself."""
-    if math.isinf(cores):
-        return calibrate(prior, [IterationSample(o.model, o.placement, o.measured_s, o.longest_beside) for o in obs]).cost
-    models = sorted({o.model for o in obs})
-    cost = prior
-    for _ in range(2):
-        rows, target = [], []
-        for o in obs:
-            segs = o.segments or ((1.0, ()),)
-            span = sum(d for d, _ in segs) or 1.0
-            row = [0.0] * (len(models) + 3)
-            row[models.index(o.model)] = sum(d * _cpu_slowdown(cost, cores, o.model, o.placement, b) for d, b in segs) / span
-            w = sum(o.placement)
-            if w >= 2:
-                mt = prior.model_type(o.model)
-                grad = ring_factor(w) * mt.grad_bytes
-                loaded = prior.breakdown(o.model, o.placement, o.longest_beside)
-                if loaded.hosts_spanned >= 2 and loaded.bottleneck_bytes_s < prior.network.intra_host_bytes_s:
-                    row[len(models) + 1] = grad * prior.network.link_efficiency / loaded.bottleneck_bytes_s
-                else:
-                    row[len(models)] = grad
-                row[len(models) + 2] = 2 * (w - 1)
-            rows.append([x / o.measured_s for x in row])
-            target.append(1.0)
-        a, b = np.array(rows), np.array(target)
-        # Least absolute relative error (the figure reported is a median), by iteratively reweighted least
-        # squares: a few slow outliers (a job that started beside others' start-ups) do not drag the fit.
-        weight = np.ones(len(b))
-        for _ in range(20):
-            x, _ = nnls(a * weight[:, None], b * weight)
-            weight = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - b), 0.02))
-        network = NetworkConstants(intra_host_bytes_s=1.0 / max(x[len(models)], 1e-18), hop_latency_s=float(x[-1]),
-                                   link_efficiency=1.0 / max(x[len(models) + 1], 1e-18))
-        cost = prior.with_network(network).with_models(
-            [dataclasses.replace(prior.model_type(m), compute_s=max(float(x[i]), 1e-6)) for i, m in enumerate(models)])
-    return cost
-
-
-def _error_by_placement(cost: RingCostModel, cores: float, obs: Sequence[Observed]) -> tuple[float, list[dict[str, Any]]]:
-    """Median over placements (model type, workers per host) of the median relative error of their jobs."""
+def _error_by_placement(cost: RingCostModel, obs: Sequence[IterationSample]) -> tuple[float, list[dict[str, Any]]]:
+    """Median over placements (model type, workers per host) of the median relative error of their jobs, each
+    job predicted by :func:`hmp.gadget.model.predict_sample` (the model over the job's stretches)."""
     groups: dict[tuple, list[tuple[float, float]]] = {}
     for o in obs:
-        groups.setdefault((o.model, o.placement), []).append((_predict(cost, cores, o), o.measured_s))
+        groups.setdefault((o.model, o.placement), []).append((predict_sample(cost, o), o.iteration_s))
     rows = []
     for (model, p), pm in sorted(groups.items()):
         errs = [abs(a - b) / b for a, b in pm]
@@ -301,20 +227,17 @@ def _error_by_placement(cost: RingCostModel, cores: float, obs: Sequence[Observe
     return (statistics.median(r["relative_error"] for r in rows) if rows else float("nan")), rows
 
 
-#: Candidate "effective cores" for the CPU-sharing term; inf = no such term (hmp.gadget's model as it is).
-CORES = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, math.inf)
+def _fit(prior: RingCostModel, obs: Sequence[IterationSample], link_sharing: bool = True) -> RingCostModel:
+    """:func:`hmp.gadget.model.calibrate`, least absolute relative error (the figure is a median), with the
+    effective cores (if ``prior``'s hosts share a compute pool) and, if ``link_sharing``, the link-sharing
+    factor fitted too."""
+    return calibrate(prior, obs, robust=True, fit_link_sharing=link_sharing).cost
 
 
-def _best_fit(prior: RingCostModel, obs: Sequence[Observed]) -> tuple[RingCostModel, float, float]:
-    """The cores (of :data:`CORES`) whose fit has the lowest model error, with that fit and error."""
-    best = None
-    for cores in CORES:
-        cost = _fit(prior, obs, cores)
-        err, _ = _error_by_placement(cost, cores, obs)
-        if best is None or err < best[2]:
-            best = (cost, cores, err)
-    assert best is not None
-    return best
+def _constants(cost: RingCostModel) -> dict[str, Any]:
+    return {"network": dataclasses.asdict(cost.network),
+            "effective_cores": {name: cost.network.core_efficiency * c for name, c in cost.cluster.pool_cores},
+            "compute_s": {m.name: m.compute_s for m in cost.models.values()}}
 
 
 async def _run_jobs(hosts: EmulatedHosts, scheduler: Any, cost: RingCostModel, jobs: Sequence[tuple[float, JobSpec]],
@@ -372,7 +295,9 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
     # The managers' structured log: warnings and up, on stderr (the progress lines are this script's).
     hmp_log.configure("console", level=logging.WARNING, stream=sys.stderr)
     specs, subnet = load_hosts(HOSTS)
-    cluster = cluster_spec(specs)
+    # The 8 emulated slots share this machine's cores: one compute pool (hmp.gadget.model, "shared compute").
+    cores = len(os.sched_getaffinity(0))
+    cluster = cluster_spec(specs, cores=cores)
     host_names = [s.name for s in specs]
     # The prior cost model: each model type's gradient bytes and batch size, its compute time profiled here.
     prior_models = []
@@ -380,6 +305,7 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
         spec = job_spec(f"profile-{model}", model, 1, 1, 1, 1)
         prior_models.append(ModelType(model, float(spec.grad_bytes), profile_compute_s(spec), spec.batch_size))
     prior = RingCostModel(cluster, prior_models, DEFAULT_NETWORK)
+    plain_prior = prior.with_cluster(cluster_spec(specs))   # the same, with no shared compute
     hosts = EmulatedHosts.from_file(HOSTS)
     try:
         await asyncio.get_running_loop().run_in_executor(None, hosts.start)
@@ -399,9 +325,10 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
             res, _ = await _run_jobs(hosts, Pinned(pins), prior, group_jobs, work / f"probe{k}", "probe")
             probe_runs.append(res)
         probe_obs = [o for run in probe_runs for o in _observed(run, host_names)]
-        cost1, cores1, err1 = _best_fit(prior, probe_obs)
-        _say(f"calibrated on {len(probe_obs)} probes: model error {err1:.3f} (effective cores {cores1}); "
-             f"{cost1.network}; compute " + ", ".join(f"{m.name} {m.compute_s * 1e3:.1f} ms" for m in cost1.models.values()))
+        cost1 = _fit(prior, probe_obs)
+        err1, _ = _error_by_placement(cost1, probe_obs)
+        _say(f"calibrated on {len(probe_obs)} probes: model error {err1:.3f}; {cost1.network}; compute "
+             + ", ".join(f"{m.name} {m.compute_s * 1e3:.1f} ms" for m in cost1.models.values()))
 
         # 2. the slice
         trace = _slice(Path(args.trace or TRACE), args.real_start, args.real_jobs, args.real_arrive_s)
@@ -438,13 +365,17 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
         replay_runs = [runs["gadget"], runs[best]]
         replay_obs = [o for run in replay_runs for o in _observed(run, host_names)]
         every = probe_obs + replay_obs
-        cost2, cores2, err = _best_fit(prior, every)
-        _, rows = _error_by_placement(cost2, cores2, every)
-        plain = _fit(prior, every, math.inf)
-        err_plain, _ = _error_by_placement(plain, math.inf, every)
-        err_probe_fit, _ = _error_by_placement(cost1, cores1, replay_obs)
-        _say(f"model error {err:.3f} (effective cores {cores2}; without the CPU-sharing term {err_plain:.3f}; "
-             f"probe-only fit on the replays {err_probe_fit:.3f})")
+        cost2 = _fit(prior, every)
+        err, rows = _error_by_placement(cost2, every)
+        fair = _fit(prior, every, link_sharing=False)             # shared compute, fair link shares
+        err_fair, _ = _error_by_placement(fair, every)
+        plain = _fit(plain_prior, every, link_sharing=False)      # neither term: the model before this change
+        err_plain, _ = _error_by_placement(plain, every)
+        err_plain_probe, _ = _error_by_placement(_fit(plain_prior, probe_obs, link_sharing=False), replay_obs)
+        err_probe_fit, _ = _error_by_placement(cost1, replay_obs)
+        _say(f"model error {err:.3f} ({cost2.network}); with fair link shares {err_fair:.3f}; plain model "
+             f"(no shared compute, fair shares) {err_plain:.3f}; GADGET's probe fit on the replays {err_probe_fit:.3f} "
+             f"(plain {err_plain_probe:.3f})")
         g, b = _summary(runs["gadget"]), _summary(runs[best])
         return {
             "hosts": str(HOSTS.relative_to(ROOT)), "slots": [s.slots for s in specs],
@@ -453,14 +384,13 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
                       "models": dict(Counter(j.model for j in sim_jobs)),
                       "utilities": dict(Counter(x.utility_kind for x in generated)),
                       "requested": dict(Counter(j.requested_workers for j in sim_jobs))},
-            "calibration": {"probe_jobs": len(probe_obs), "probe_fit_model_error": err1, "probe_fit_cores": cores1,
-                            "jobs": len(every), "effective_cores": cores2,
-                            "network": dataclasses.asdict(cost2.network),
-                            "compute_s": {m.name: m.compute_s for m in cost2.models.values()}},
+            "calibration": {"cores": cores, "probe_jobs": len(probe_obs), "probe_fit_model_error": err1,
+                            "probe_fit": _constants(cost1), "jobs": len(every), **_constants(cost2)},
             "simulated_utility": simulated, "best_baseline": best,
             "gadget": g, "baseline": b,
             "real_utility_vs_best_baseline": g["total_utility"] / b["total_utility"] if b["total_utility"] > 0 else float("inf"),
-            "model_error": err, "model_error_without_cpu_sharing": err_plain, "model_error_probe_fit": err_probe_fit,
+            "model_error": err, "model_error_fair_link_shares": err_fair, "model_error_plain": err_plain,
+            "model_error_probe_fit": err_probe_fit, "model_error_plain_probe_fit": err_plain_probe,
             "placements": rows,
             "wall_s": time.monotonic() - t_begin,
         }

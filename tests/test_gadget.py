@@ -83,6 +83,104 @@ def test_iteration_time_bottleneck_is_the_slowest_shared_link():
         cost.iteration_s("nope", (1, 0, 0))
 
 
+def pooled_cost(cores: float = 2.0, pools: tuple = ("m", "m"), core_efficiency: float = 1.0,
+                link_sharing: float = 1.0) -> RingCostModel:
+    """2 hosts x 2 slots whose hosts share compute pools (``pools``: each host's, None: its own cores)."""
+    names = sorted({p for p in pools if p is not None})
+    cluster = ClusterSpec(tuple(HostSpec(f"h{i}", 2, LINK, p) for i, p in enumerate(pools)),
+                          tuple((n, cores) for n in names))
+    return RingCostModel(cluster, [ModelType("a", G, 0.1, 32), ModelType("b", 4e8, 0.2, 8)],
+                         NetworkConstants(INTRA, 0.0, link_sharing=link_sharing, core_efficiency=core_efficiency))
+
+
+def test_shared_compute_by_hand():
+    cost = pooled_cost(cores=2.0)
+    assert cost.shares_compute and cost.pool_of == (0, 0)
+    # alone, one worker: 1 busy worker on 2 cores -> no stretch
+    assert cost.iteration_s("a", (1, 0)) == pytest.approx(0.1)
+    # 2 cores, 4 busy single workers (this one + 3 of other rings, any host of the pool; a single worker
+    # computes all the time: CPU share 1) -> compute x2
+    others = [("b", (1, 0)), ("a", (0, 1)), ("b", (0, 1))]
+    assert cost.cpu_share("b", (1, 0)) == 1.0
+    assert cost.iteration_s("a", (1, 0), others) == pytest.approx(0.2)
+    assert cost.breakdown("a", (1, 0), others).cpu_stretch == pytest.approx(2.0)
+    # the fast path takes the others' CPU demand per host, or one ring about to start (1 per worker)
+    assert cost.cpu_demand(others) == pytest.approx([1.0, 2.0])
+    assert cost.iteration_s_loaded("a", (1, 0), [0, 0], busy=[1, 2]) == pytest.approx(0.2)
+    assert cost.iteration_s_loaded("a", (1, 0), [0, 0], busy=[0, 2], extra=(1, 0)) == pytest.approx(0.2)
+    # a ring of 2 on one host computes 0.1 of its 0.1 + 2*(1/2)*1e8/4e9 = 0.125 s alone: CPU share 0.8, so
+    # beside it a single worker sees demand 1 + 2 * 0.8 = 2.6 on 2 cores -> x1.3
+    assert cost.cpu_share("a", (0, 2)) == pytest.approx(0.8)
+    assert cost.iteration_s("a", (1, 0), [("a", (0, 2))]) == pytest.approx(0.13)
+    assert cost.iteration_s_loaded("a", (1, 0), [0, 0], extra=(0, 2), extra_model="a") == pytest.approx(0.13)
+    # a ring across both hosts: 0.1 compute + 2*(1/2)*1e8 B / 1e9 B/s = 0.1 transfer alone: share 0.5;
+    # with two single workers beside it: demand 2 * 0.5 + 2 = 3 on 2 cores -> its compute x1.5, not its
+    # transfer (the link is shared with no other ring: the others stay on one host)
+    assert cost.iteration_s("a", (1, 1), [("a", (1, 0)), ("a", (0, 1))]) == pytest.approx(0.15 + 0.1)
+    # effective cores = core_efficiency x cores: 4 busy on 2 x 2 -> no stretch
+    assert pooled_cost(cores=2.0, core_efficiency=2.0).iteration_s("a", (1, 0), others) == pytest.approx(0.1)
+    # a host in no pool keeps its own compute; one in a pool is stretched by its pool only
+    mixed = pooled_cost(cores=1.0, pools=("m", None))
+    assert mixed.iteration_s("a", (0, 1), [("a", (0, 1)), ("a", (2, 0))]) == pytest.approx(0.1)
+    assert mixed.iteration_s("a", (1, 0), [("a", (0, 2)), ("a", (1, 0))]) == pytest.approx(0.2)
+    # a ring spanning pools is paced by its most loaded one
+    two = pooled_cost(cores=1.0, pools=("m", "n"))
+    # pool m: 0.5 (its own worker), pool n: 0.5 + 1 -> x1.5
+    assert two.iteration_s("a", (1, 1), [("a", (0, 1))]) == pytest.approx(0.15 + 0.1)
+    with pytest.raises(ValueError, match="not in pool_cores"):
+        ClusterSpec((HostSpec("x", 1, LINK, "nowhere"),))
+
+
+def test_default_cluster_has_no_shared_compute():
+    cost = hand_cost()
+    assert not cost.shares_compute and cost.cluster.pool_cores == () and cost.cluster.hosts[0].pool is None
+    crowd = [("b", (2, 0)), ("b", (0, 2)), ("a", (1, 1))]
+    # however many workers run, compute is the model's: only the links are shared (as before the pools)
+    assert cost.iteration_s("a", (1, 0), crowd) == pytest.approx(0.1)
+    assert cost.iteration_s_loaded("a", (1, 0), [0, 0], busy=[3.0, 3.0]) == pytest.approx(0.1)
+    assert cost.breakdown("a", (2, 2), crowd).cpu_stretch == 1.0
+    assert NetworkConstants(INTRA).link_sharing == 1.0 and NetworkConstants(INTRA).core_efficiency == 1.0
+
+
+def test_link_sharing_by_hand():
+    cost = pooled_cost(pools=(None, None), link_sharing=0.5)
+    # a ring of 1+1 alone: 1e8 B / 1e9 B/s; with another ring on both links each gets 1e9 / (1 + 0.5 * 1)
+    assert cost.iteration_s("a", (1, 1)) == pytest.approx(0.1 + 0.1)
+    assert cost.iteration_s("a", (1, 1), [("b", (1, 1))]) == pytest.approx(0.1 + 0.15)
+    assert cost.iteration_s("a", (1, 1), [("b", (1, 1)), ("b", (1, 1))]) == pytest.approx(0.1 + 0.2)
+    assert pooled_cost(pools=(None, None)).iteration_s("a", (1, 1), [("b", (1, 1))]) == pytest.approx(0.1 + 0.2)
+
+
+def test_calibrate_fits_effective_cores_and_link_sharing_over_segments():
+    truth = pooled_cost(cores=2.0, core_efficiency=1.5, link_sharing=0.4)
+    truth = truth.with_network(dataclasses.replace(truth.network, hop_latency_s=2e-4, link_efficiency=0.8))
+    besides = [(), (("a", (0, 1)),), (("b", (1, 1)),), (("a", (1, 0)), ("a", (0, 1)))]
+    samples = []
+    for m in ("a", "b"):
+        for p in [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2)]:
+            for others in besides:
+                if any(c + sum(q[h] for _, q in others) > 2 for h, c in enumerate(p)):
+                    continue
+                # 3 s beside ``others``, then 1 s alone: the measurement is the time-weighted mean
+                segs = ((3.0, others), (1.0, ()))
+                measured = 0.75 * truth.iteration_s(m, p, others) + 0.25 * truth.iteration_s(m, p)
+                samples.append(IterationSample(m, p, measured, segments=segs))
+    prior = pooled_cost(cores=2.0).with_models([ModelType("a", G, 0.5, 32), ModelType("b", 4e8, 0.5, 8)])
+    fit = calibrate(prior, samples, fit_link_sharing=True)
+    assert fit.median_relative_error < 1e-9
+    assert fit.cost.network.core_efficiency == pytest.approx(1.5)
+    assert fit.cost.network.link_sharing == pytest.approx(0.4)
+    assert fit.cost.network.link_efficiency == pytest.approx(0.8)
+    assert fit.cost.model_type("b").compute_s == pytest.approx(0.2)
+    assert {"core_efficiency", "link_sharing"} <= set(fit.fitted)
+    robust = calibrate(prior, samples, fit_link_sharing=True, robust=True)
+    assert robust.median_relative_error < 1e-6
+    # without the grid, the prior's core efficiency and fair shares are kept, and the fit is worse
+    fixed = calibrate(prior, samples, fit_cores=False)
+    assert fixed.cost.network.core_efficiency == 1.0 and fixed.cost.network.link_sharing == 1.0
+    assert fixed.median_relative_error > 0.01 and "core_efficiency" not in fixed.fitted
+
+
 def test_calibrate_recovers_known_constants():
     truth = hand_cost(hosts=3)
     truth = truth.with_network(NetworkConstants(INTRA, 2e-4, link_efficiency=0.7))
@@ -354,6 +452,38 @@ def test_gadget_prices_the_slowdown_it_causes_on_running_rings():
     assert round_value(view, {"n": (2, 2)}) == pytest.approx(1 - 400.6 / 4000 - 1.5)
     assert GadgetScheduler(fill_hopeless=False).schedule(view) == {}
     assert GadgetScheduler(fill_hopeless=False, price_contention=False).schedule(view) == {"n": (2, 2)}
+
+
+def test_gadget_and_round_value_see_shared_compute():
+    cost = pooled_cost(cores=2.0)
+    # r: a ring of 2 on h0, 100 iterations: alone 0.1 + 2*(1/2)*1e8/4e9 = 0.125 s (2 busy on 2 cores)
+    running = {"r": RunningJob("r", "a", (2, 0), 0.0, 64 * 100, LinearDecay(10.0, 400.0), 0.0, submit_s=0.0)}
+    pending = [job("n", 2, 64 * 1000.0, LinearDecay(1.0, 4000.0))]
+    view = view_of(cost, pending, free=(0, 2), running=running)
+    # n on h1: CPU share 0.8 each (0.1 of 0.125 s): demand 3.2 on 2 cores -> both rings' compute x1.6:
+    # 0.185 s per iteration each; n: 1000 iterations -> 185 s; r: 12.5 s -> 18.5 s left, losing 10 * 6 / 400
+    assert round_value(view, {"n": (0, 2)}) == pytest.approx(1 - 185 / 4000 - 0.15)
+    plain = view_of(hand_cost(hosts=2, slots=2, latency=0.0), pending, free=(0, 2), running=running)
+    assert round_value(plain, {"n": (0, 2)}) == pytest.approx(1 - 125 / 4000)
+    assert GadgetScheduler(fill_hopeless=False).schedule(view) == {"n": (0, 2)}
+
+
+def test_simulator_retimes_rings_that_share_compute():
+    cost = pooled_cost(cores=1.0)
+    short = job("short", 1, 32 * 10)     # 10 iterations
+    long_ = job("long", 1, 32 * 30)      # 30 iterations
+
+    class Apart:
+        name = "apart"
+
+        def schedule(self, view):
+            return {j.job_id: (1, 0) if j.job_id == "short" else (0, 1) for j in view.pending}
+
+    r = simulate([short, long_], cost, Apart())
+    ends = {o.job_id: o.end_s for o in r.outcomes}
+    # 2 busy workers on 1 core: 0.2 s per iteration while both run, 0.1 s once alone
+    assert ends["short"] == pytest.approx(10 * 0.2)
+    assert ends["long"] == pytest.approx(10 * 0.2 + 20 * 0.1)
 
 
 # --- simulator bookkeeping -----------------------------------------------------------------------------------

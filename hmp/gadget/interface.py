@@ -18,18 +18,37 @@ Placement = tuple[int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class HostSpec:
-    """One host: its worker slots and its link to the switch (bytes/s, each direction)."""
+    """One host: its worker slots and its link to the switch (bytes/s, each direction).
+
+    Added (default keeps old call sites valid): ``pool``, the compute pool (a physical machine's cores,
+    named in ``ClusterSpec.pool_cores``) this host's workers share with the other hosts of that pool;
+    None: each slot has its own compute (a GPU), no sharing.
+    """
 
     name: str
     slots: int
     link_bytes_s: float
+    pool: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-    """Hosts on one switch (a star): a ring that spans hosts crosses each spanned host's link."""
+    """Hosts on one switch (a star): a ring that spans hosts crosses each spanned host's link.
+
+    Added (default: none): ``pool_cores``, (pool name, cores) for each compute pool the hosts name; the
+    workers of a pool's hosts share its cores (e.g. emulated hosts on one machine, docs/gadget.md).
+    """
 
     hosts: tuple[HostSpec, ...]
+    pool_cores: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        pools = dict(self.pool_cores)
+        if len(pools) != len(self.pool_cores) or any(not c > 0 for c in pools.values()):
+            raise ValueError(f"pool_cores: each pool once, cores > 0, got {self.pool_cores}")
+        for h in self.hosts:
+            if h.pool is not None and h.pool not in pools:
+                raise ValueError(f"host {h.name!r} names pool {h.pool!r}, not in pool_cores {sorted(pools)}")
 
     @property
     def total_slots(self) -> int:
@@ -56,9 +75,12 @@ class LoadedCostModel(CostModel, Protocol):
     """Added: the fast paths GADGET and the simulator use (``hmp.gadget.model.RingCostModel`` has them)."""
 
     def iteration_s_loaded(self, model: str, placement: Placement, link_rings: Sequence[int], *,
-                           counted: bool = False, extra: Placement | None = None) -> float:
+                           counted: bool = False, extra: Placement | None = None,
+                           busy: Sequence[float] | None = None, extra_model: str | None = None) -> float:
         """Like ``iteration_s`` with the rings given as a count per host link: the *other* rings, or all of
-        them with ``counted=True``; ``extra``: one more ring about to start."""
+        them with ``counted=True``; ``extra``: one more ring about to start. Added, for clusters whose hosts
+        share compute pools: ``busy``, the *other* rings' CPU demand on each host (``RingCostModel.cpu_demand``;
+        None: none counted) and ``extra_model``, the model of ``extra`` (its workers' CPU share)."""
         ...
 
     def compact_placement(self, workers: int) -> Placement:

@@ -119,6 +119,11 @@ class _RoundState:
     link_rings: list[int]
     # running (and, as the round goes, newly started) multi-host rings by host: job id -> (model, placement)
     rings_on_host: list[dict[str, tuple[str, Placement]]]
+    # hosts that share compute pools (cost.pool_of, -1: none), and every ring (not only multi-host) by pool;
+    # empty when the cost model has no pools: then a ring's speed depends only on the rings on its links
+    pool_of: tuple[int, ...] = ()
+    rings_in_pool: list[dict[str, tuple[str, Placement]]] = dataclasses.field(default_factory=list)
+    demand: list[float] = dataclasses.field(default_factory=list)   # CPU demand per host (cost.cpu_demand)
 
     @classmethod
     def start(cls, view: ClusterView) -> _RoundState:
@@ -134,13 +139,57 @@ class _RoundState:
                 if c:
                     link_rings[h] += 1
                     rings_on_host[h][job_id] = (model, placement)
-        return cls(view, list(view.free), link_rings, rings_on_host)
+        state = cls(view, list(view.free), link_rings, rings_on_host)
+        if getattr(view.cost, "shares_compute", False):
+            state.pool_of = tuple(view.cost.pool_of)  # type: ignore[attr-defined]
+            state.rings_in_pool = [{} for _ in range(max(state.pool_of) + 1)]
+            state.demand = [0.0] * hosts
+            for job_id, r in view.running.items():
+                state._add_to_pools(job_id, r.model, r.placement)
+        return state
 
-    def iteration_s(self, model: str, placement: Placement, extra: Placement | None = None) -> float:
+    def _add_to_pools(self, job_id: str, model: str, placement: Placement) -> None:
+        u = self.view.cost.cpu_share(model, placement)  # type: ignore[attr-defined]
+        for h, c in enumerate(placement):
+            if c:
+                self.demand[h] += u * c
+                if self.pool_of[h] >= 0:
+                    self.rings_in_pool[self.pool_of[h]][job_id] = (model, placement)
+
+    def busy(self, own: tuple[str, Placement] | None = None) -> list[float] | None:
+        """CPU demand per host of the rings running or committed, less ``own``'s (a committed ring's: model,
+        placement); None when the cost model has no compute pools (it does not use them)."""
+        if not self.pool_of:
+            return None
+        if own is None:
+            return self.demand
+        u = self.view.cost.cpu_share(*own)  # type: ignore[attr-defined]
+        return [d - u * c for d, c in zip(self.demand, own[1])]
+
+    def neighbours(self, placement: Placement) -> dict[str, tuple[str, Placement]]:
+        """The running or committed rings whose speed a ring on ``placement`` changes: those on the links it
+        crosses, and (compute pools) those in the pools it uses."""
+        out: dict[str, tuple[str, Placement]] = {}
+        multi = spans(placement)
+        for h, c in enumerate(placement):
+            if c:
+                if multi:
+                    out.update(self.rings_on_host[h])
+                if self.pool_of and self.pool_of[h] >= 0:
+                    out.update(self.rings_in_pool[self.pool_of[h]])
+        return out
+
+    def iteration_s(self, model: str, placement: Placement, extra: Placement | None = None,
+                    extra_model: str | None = None) -> float:
         """Iteration time of a ring already counted in ``link_rings`` (running or committed this round);
-        ``extra``: a ring about to start, counted too."""
+        ``extra``: a ring (of ``extra_model``) about to start, counted too."""
         return self.view.cost.iteration_s_loaded(model, placement, self.link_rings, counted=spans(placement),  # type: ignore[attr-defined]
-                                                 extra=extra)
+                                                 extra=extra, extra_model=extra_model,
+                                                 busy=self.busy((model, placement)))
+
+    def new_iteration_s(self, model: str, placement: Placement) -> float:
+        """Iteration time of a ring not yet committed, beside the running and committed rings."""
+        return self.view.cost.iteration_s_loaded(model, placement, self.link_rings, busy=self.busy())  # type: ignore[attr-defined]
 
     def commit(self, job_id: str, model: str, placement: Placement) -> None:
         for h, c in enumerate(placement):
@@ -152,6 +201,8 @@ class _RoundState:
                 if c:
                     self.link_rings[h] += 1
                     self.rings_on_host[h][job_id] = (model, placement)
+        if self.pool_of:
+            self._add_to_pools(job_id, model, placement)
 
 
 def _start_value(view: ClusterView, job: PendingJob, placement: Placement, iteration_s: float) -> float:
@@ -172,16 +223,14 @@ def _running_value(view: ClusterView, r: RunningJob, iteration_s: float) -> floa
     return r.utility(max(0.0, finish_rel))
 
 
-def _contention_loss(state: _RoundState, placement: Placement) -> float:
+def _contention_loss(state: _RoundState, placement: Placement, new_model: str | None = None) -> float:
     """Utility the rings already on ``placement``'s links (running or started this round) lose when a ring
-    on ``placement`` starts (each link's share falls from bw/n to bw/(n+1))."""
-    if not spans(placement):
+    (of ``new_model``) on ``placement`` starts (each link's share falls from bw/n to bw/(n+1)), and, when
+    hosts share compute pools, the rings in the pools it uses (their compute stretches)."""
+    if not spans(placement) and not state.pool_of:
         return 0.0
     view = state.view
-    affected: dict[str, tuple[str, Placement]] = {}
-    for h, c in enumerate(placement):
-        if c:
-            affected.update(state.rings_on_host[h])
+    affected = state.neighbours(placement)
     loss = 0.0
     for job_id, (model, p) in affected.items():
         job = view.running.get(job_id)
@@ -190,7 +239,7 @@ def _contention_loss(state: _RoundState, placement: Placement) -> float:
         before = _running_value(view, job, state.iteration_s(model, p))
         if before is None:
             continue
-        after = _running_value(view, job, state.iteration_s(model, p, extra=placement))
+        after = _running_value(view, job, state.iteration_s(model, p, extra=placement, extra_model=new_model))
         assert after is not None
         loss += before - after
     return loss
@@ -203,13 +252,10 @@ def round_value(view: ClusterView, decisions: Mapping[str, Placement], slot_pric
     each ring keeps this iteration time to its end. Running jobs with no ``submit_s`` count zero change."""
     state = _RoundState.start(view)
     pending = {j.job_id: j for j in view.pending}
-    # only running rings that share a link with a new ring change speed
+    # only running rings that share a link (or a compute pool) with a new ring change speed
     affected: dict[str, tuple[str, Placement]] = {}
     for p in decisions.values():
-        if spans(p):
-            for h, c in enumerate(p):
-                if c:
-                    affected.update(state.rings_on_host[h])
+        affected.update(state.neighbours(p))
     before = {job_id: _running_value(view, view.running[job_id], state.iteration_s(model, placement))
               for job_id, (model, placement) in affected.items()}
     for job_id, p in decisions.items():
@@ -437,10 +483,10 @@ class GadgetScheduler:
                 if p in seen:
                     continue
                 seen.add(p)
-                it = view.cost.iteration_s_loaded(job.model, p, state.link_rings)  # type: ignore[attr-defined]
+                it = state.new_iteration_s(job.model, p)
                 v = _start_value(view, job, p, it) - later - slot_price * w * _run_s(view, job, p, it)
                 if self.price_contention:
-                    v -= _contention_loss(state, p)
+                    v -= _contention_loss(state, p, job.model)
                 if best is None or v > best.value:
                     best = _Option(job, w, p, v)
             if best is not None and best.value > 0:
@@ -544,9 +590,9 @@ class GadgetScheduler:
                     state.commit(opt.job.job_id, opt.job.model, p)
                     self._recent_waits.append(view.now_s - opt.job.submit_s)
                 remaining = [j for j in remaining if j.job_id not in decisions]
-        # 4. the options were priced one at a time; rings started together may share links and slow each
-        # other (and running rings) more than priced. Re-price the whole round and drop what lowers it.
-        if self.price_contention and len(decisions) and any(spans(p) for p in decisions.values()):
+        # 4. the options were priced one at a time; rings started together may share links (or compute pools)
+        # and slow each other (and running rings) more than priced. Re-price the whole round and drop what lowers it.
+        if self.price_contention and len(decisions) and (state.pool_of or any(spans(p) for p in decisions.values())):
             decisions = self._prune(view, decisions, slot_price)
             state = _RoundState.start(view)
             for job_id, p in decisions.items():
@@ -595,9 +641,7 @@ class GadgetScheduler:
         if p is None or not spans(p):
             return p
         b = spread_placement(state.free, workers, state.link_rings)
-        cost = state.view.cost
-        if b is not None and cost.iteration_s_loaded(model, b, state.link_rings) < \
-                cost.iteration_s_loaded(model, p, state.link_rings):  # type: ignore[attr-defined]
+        if b is not None and state.new_iteration_s(model, b) < state.new_iteration_s(model, p):
             return b
         return p
 

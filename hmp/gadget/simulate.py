@@ -187,18 +187,30 @@ def simulate(jobs: Sequence[PendingJob], cost: RingCostModel, scheduler: Schedul
     def retime(r: _Running, now: float) -> None:
         r.done_at_mark += r.rate * (now - r.t_mark)
         r.t_mark = now
-        it = cost.iteration_s_loaded(r.job.model, r.placement, link_rings, counted=r.spans)
+        busy = cost.cpu_demand((o.job.model, o.placement) for o in running.values() if o is not r) if pooled else None
+        it = cost.iteration_s_loaded(r.job.model, r.placement, link_rings, counted=r.spans, busy=busy)
         r.rate = cost.samples_per_iteration(r.job.model, sum(r.placement)) / it
         r.version += 1
         left = r.job.samples - r.done_at_mark
         heapq.heappush(completions, (now + max(0.0, left) / r.rate, r.version, r.job.job_id))
         pushes[0] += 1
 
+    # hosts that share compute pools (cost.pool_of): a ring's speed then depends on every ring in its pools
+    pooled = cost.shares_compute
+    pool_of = cost.pool_of
+
     def neighbours(placement: Placement) -> set[str]:
+        """The rings whose speed a ring on ``placement`` changes when it starts or ends."""
         out: set[str] = set()
-        for h, c in enumerate(placement):
-            if c:
-                out |= rings_on_host[h]
+        if sum(1 for c in placement if c) >= 2:
+            for h, c in enumerate(placement):
+                if c:
+                    out |= rings_on_host[h]
+        if pooled:
+            pools = {pool_of[h] for h, c in enumerate(placement) if c and pool_of[h] >= 0}
+            if pools:
+                out |= {job_id for job_id, o in running.items()
+                        if any(c and pool_of[h] in pools for h, c in enumerate(o.placement))}
         return out
 
     # Each pass consumes an arrival or a completion entry (or raises), so passes <= arrivals + entries pushed.
@@ -240,7 +252,7 @@ def simulate(jobs: Sequence[PendingJob], cost: RingCostModel, scheduler: Schedul
             busy_slot_s += sum(r.placement) * (now - r.start_s)
             outcomes.append(JobOutcome(job.job_id, job.model, job.submit_s, r.start_s, now, r.placement,
                                        job.samples, job.utility(now - job.submit_s)))
-            if r.spans:
+            if r.spans or pooled:
                 touched |= neighbours(r.placement)
         # arrivals at `now`
         while next_arrival < len(arrivals) and arrivals[next_arrival].submit_s <= now:
@@ -266,7 +278,7 @@ def simulate(jobs: Sequence[PendingJob], cost: RingCostModel, scheduler: Schedul
                         link_rings[h] += 1
                         rings_on_host[h].add(job_id)
                 touched.add(job_id)
-                if r.spans:
+                if r.spans or pooled:
                     touched |= neighbours(p)
             assert free == check_free
         for job_id in touched:

@@ -119,9 +119,13 @@ class JobHandle:
 DEFAULT_NETWORK = NetworkConstants(intra_host_bytes_s=1e9, hop_latency_s=5e-4, link_efficiency=0.9)
 
 
-def cluster_spec(specs: list[Any]) -> ClusterSpec:
-    """The scheduler's view of a hosts file's hosts: slots and link rate (Mbit/s -> bytes/s)."""
-    return ClusterSpec(tuple(HostSpec(s.name, s.slots, s.bandwidth_mbit * 1e6 / 8) for s in specs))
+def cluster_spec(specs: list[Any], cores: float | None = None) -> ClusterSpec:
+    """The scheduler's view of a hosts file's hosts: slots and link rate (Mbit/s -> bytes/s). ``cores``: the
+    hosts are emulated on one machine with that many cores, which all their workers share (one compute pool,
+    ``local``: docs/gadget.md); None: no shared compute in the model."""
+    pool = "local" if cores is not None else None
+    return ClusterSpec(tuple(HostSpec(s.name, s.slots, s.bandwidth_mbit * 1e6 / 8, pool) for s in specs),
+                       (("local", float(cores)),) if cores is not None else ())
 
 
 def make_scheduler(name: str, seed: int = 0) -> Scheduler:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -64,3 +67,50 @@ async def test_spawning_after_the_server_is_gone_fails_clearly(tmp_path):
         await asyncio.sleep(0.05)
     with pytest.raises(OSError, match="fork server exited"):
         await srv.spawn(["scheduler"], env=dict(os.environ), log=str(tmp_path / "x.log"))
+
+
+@pytest.mark.cluster
+def test_a_launcher_killed_with_sigkill_leaves_no_daemon_running(tmp_path):
+    """hmp-launch dies at once (SIGKILL): its fork server sees the end of its stdin and exits, and each daemon,
+    told by the kernel that its parent died, stops gracefully within seconds instead of training on."""
+    cfg = write_config(tmp_path, target=0.999, epochs=500)
+    launcher = subprocess.Popen([sys.executable, "-m", "hmp.launch", str(cfg)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        logs = tmp_path / "run" / "logs"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                (logs / f"{n}.log").exists() and "joined" in (logs / f"{n}.log").read_text(errors="replace")
+                for n in ("ps0", "ps1", "cpu0", "gpu0")):
+            time.sleep(0.2)
+        daemons = _daemon_pids(launcher.pid)
+        assert len(daemons) == 5, daemons
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 30  # the scheduler's graceful stop may take its drain (3 heartbeats + 5 s)
+        while time.monotonic() < deadline and any(_alive(p) for p in daemons):
+            time.sleep(0.1)
+        assert not [p for p in daemons if _alive(p)]
+        for n in ("scheduler", "ps0", "ps1", "cpu0", "gpu0"):  # each stopped itself: no SIGKILL was needed
+            assert '"event": "stopped"' in (logs / f"{n}.log").read_text(), n
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
+
+
+def _daemon_pids(launcher_pid: int) -> list[int]:
+    """The launcher's fork server's children (the daemons)."""
+    servers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    return [int(p) for s in servers for p in subprocess.run(["pgrep", "-P", str(s)], capture_output=True,
+                                                            text=True).stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False

@@ -17,8 +17,9 @@ torch's DataLoader workers).
 Protocol on the server's stdin/stdout, JSON lines:
   request ``{"id", "argv": [ROLE, ...], "env": {...}, "cwd", "log", "netns": NAME | null}`` -> ``{"id", "pid"}`` or ``{"id", "error"}``;
   when a daemon exits: ``{"exit": PID, "code": C}`` (C < 0: killed by signal -C, as ``Popen.returncode``).
-The server exits at the end of its stdin (its parent closed it, or died) or on SIGTERM/SIGINT; daemons it
-started keep running (their cluster stops them) and are reparented.
+The server exits at the end of its stdin (its parent closed it, or died) or on SIGTERM/SIGINT; each daemon it
+started then gets SIGTERM (``PR_SET_PDEATHSIG``) and stops gracefully, so a launcher killed with SIGKILL
+leaves nothing running. A launcher that ends normally has stopped its daemons before that.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 
 
 _CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
 
 
 def _enter_netns(name: str) -> None:
@@ -58,7 +60,18 @@ def _enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def _child(request: dict[str, Any], wakeup_fds: tuple[int, int]) -> None:
+def _stop_with_parent(server_pid: int) -> None:
+    """SIGTERM this daemon when the server ends. The server ends when its launcher does (the end of its stdin),
+    so a launcher killed with SIGKILL leaves no daemon training on: each stops gracefully, as on Ctrl-C."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != server_pid:  # the server ended between the fork and the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _child(request: dict[str, Any], wakeup_fds: tuple[int, int], server_pid: int) -> None:
     """In the forked daemon: become a daemon process, run its main, never return."""
     code = 1
     try:
@@ -69,6 +82,7 @@ def _child(request: dict[str, Any], wakeup_fds: tuple[int, int]) -> None:
         if request.get("netns"):  # an emulated host: what `ip netns exec` does, for the network (all a daemon uses)
             _enter_netns(request["netns"])
         os.setsid()  # as start_new_session: a Ctrl-C on the terminal reaches the launcher only
+        _stop_with_parent(server_pid)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -117,6 +131,7 @@ def serve() -> int:
     from hmp.nodes import ps_shard, ring_worker, scheduler, stage_worker, worker  # noqa: F401
 
     out = sys.stdout
+    server = os.getpid()
     read_fd, write_fd = os.pipe()  # SIGCHLD and SIGTERM wake the select below
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd)
@@ -160,7 +175,7 @@ def serve() -> int:
                     reply({"id": req["id"], "error": f"fork failed: {exc}"})
                     continue
                 if pid == 0:
-                    _child(req, (read_fd, write_fd))
+                    _child(req, (read_fd, write_fd), server)
                 children.add(pid)
                 reply({"id": req["id"], "pid": pid})
         reap()
@@ -289,7 +304,7 @@ class ForkServer:
         return ForkedProcess(pid, exited)
 
     def close(self) -> None:
-        """End the server (daemons it forked are not touched)."""
+        """End the server; daemons it forked that still run get SIGTERM (their parent died)."""
         with contextlib.suppress(OSError, ValueError):
             assert self._proc.stdin is not None
             self._proc.stdin.close()

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from hmp.errors import ProtocolError, RemoteError
 from hmp.messages import Ack, Kind, Params, Push, ShmHello, Tensors
+from hmp.nodes.forkserver import ForkedProcess, ForkServer
 from hmp.transport import shm
 from hmp.transport.codec import DTYPES, decode, encode
 from hmp.transport.endpoint import Client, Server
@@ -435,26 +436,24 @@ min_bytes = 4096
     return path
 
 
-def _start_daemons(cfg_path: Path, log_dir: Path) -> dict[str, subprocess.Popen]:
+async def _start_daemons(cfg_path: Path, log_dir: Path) -> dict[str, ForkedProcess]:
+    """The scheduler and two shards, forked as LocalCluster forks them (hmp/nodes/forkserver.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = {}
-    for role, nid in (("scheduler", "scheduler"), ("ps", "ps0"), ("ps", "ps1")):
-        with open(log_dir / f"{nid}.log", "wb") as logf:
-            procs[nid] = subprocess.Popen([sys.executable, "-m", "hmp.nodes.main", role, "--config", str(cfg_path),
-                                           "--id", nid], stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT)
-    return procs
+    server = ForkServer.shared()
+    return {nid: await server.spawn([role, "--config", str(cfg_path), "--id", nid], env=dict(os.environ),
+                                    log=str(log_dir / f"{nid}.log"), cwd=str(ROOT))
+            for role, nid in (("scheduler", "scheduler"), ("ps", "ps0"), ("ps", "ps1"))}
 
 
-def _stop(procs: dict[str, subprocess.Popen]) -> None:
+async def _stop(procs: dict[str, ForkedProcess]) -> None:
     for p in procs.values():
-        if p.poll() is None:
-            p.terminate()
+        p.terminate()
     for p in procs.values():
         try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+            await asyncio.wait_for(p.wait(), 20)
+        except TimeoutError:
             p.kill()
-            p.wait()
+            await p.wait()
 
 
 @pytest.mark.cluster
@@ -469,7 +468,7 @@ async def test_pushes_through_real_shards_over_shared_memory_equal_the_tcp_path(
     from hmp.ps.shard_core import ShardCore
 
     cfg = load(_ps_config(tmp_path, job, shm_enabled=True))
-    procs = _start_daemons(cfg.path, tmp_path / "logs")
+    procs = await _start_daemons(cfg.path, tmp_path / "logs")
     shards = [(s.id, s.bind) for s in cfg.shards]
     try:
         fast = PSClient.from_config(cfg, shards, name="w0")
@@ -508,15 +507,15 @@ async def test_pushes_through_real_shards_over_shared_memory_equal_the_tcp_path(
         assert all(len(v) >= 2 for v in owners.values()), owners  # probe + reply pool each
         procs["ps1"].send_signal(signal.SIGKILL)
         procs["ps0"].send_signal(signal.SIGTERM)
-        assert procs["ps0"].wait(timeout=30) == 0
-        procs["ps1"].wait(timeout=30)
+        assert await asyncio.wait_for(procs["ps0"].wait(), 30) == 0
+        await asyncio.wait_for(procs["ps1"].wait(), 30)
         left = shm.list_segments(job)
         assert not any(".ps0." in n for n in left)  # removed at its exit
         assert sorted(n for n in left if ".ps1." in n) == sorted(owners["ps1"])  # a SIGKILL leaves them
         removed = shm.cleanup_stale(job)
         assert sorted(removed) == sorted(owners["ps1"])
     finally:
-        _stop(procs)
+        await _stop(procs)
         shm.close_process_arena()
 
 
@@ -527,7 +526,7 @@ async def test_a_shard_without_shared_memory_serves_a_client_with_it(tmp_path, j
     from hmp.job import load
 
     cfg = load(_ps_config(tmp_path, job, shm_enabled=False))
-    procs = _start_daemons(cfg.path, tmp_path / "logs")
+    procs = await _start_daemons(cfg.path, tmp_path / "logs")
     try:
         ps = PSClient.from_config(cfg.replace(shm=type(cfg.shm)(enabled=True)), [(s.id, s.bind) for s in cfg.shards],
                                   name="w0")
@@ -543,7 +542,7 @@ async def test_a_shard_without_shared_memory_serves_a_client_with_it(tmp_path, j
             assert await ps.push(samples=1) > before
             assert not any(c.shm_active for _, c, _ in ps.shards)
     finally:
-        _stop(procs)
+        await _stop(procs)
         shm.close_process_arena()
     assert not shm.list_segments(job)
 

@@ -302,7 +302,10 @@ async def test_replans_when_a_worker_joins_late_and_when_one_leaves(tmp_path):
     """cpu1 is held back (SIGSTOP) so the first plan runs without it; when it joins the loop re-plans with it in
     the embedding stage; when accel0 leaves (SIGTERM) the loop re-plans onto the cpu workers alone, training goes
     on from the step it had reached, and the job finishes with every plan in the report."""
-    cfg = pipeline_config(tmp_path, epochs=200, max_seconds=25.0, join_wait_s=1.0)
+    # The re-plans below are over ~8 s after training starts (max_seconds counts from there); the job then
+    # ends at max_seconds. (Not finish() right after them: the shards' accuracy swings between ~0.55 and ~0.72
+    # within a second in plans 2-3, an open problem described in docs/pipeline.md.)
+    cfg = pipeline_config(tmp_path, epochs=200, max_seconds=15.0, join_wait_s=1.0)
     async with LocalCluster(cfg) as cluster:
         cluster.kill("cpu1", signal.SIGSTOP)
         try:

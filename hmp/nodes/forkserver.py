@@ -308,6 +308,10 @@ class ForkServer:
         with contextlib.suppress(OSError, ValueError):
             assert self._proc.stdin is not None
             self._proc.stdin.close()
+        with self._lock:
+            forked = self._next_id > 0
+        if not forked:  # e.g. a launcher that met a config error: the server may still be importing torch
+            self._proc.terminate()
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -170,12 +170,7 @@ class LocalCluster:
         """Make the hosts (when the cluster owns them) and write the config the daemons read there."""
         assert self.hosts is not None
         if self._own_hosts:
-            made = asyncio.get_running_loop().run_in_executor(None, self.hosts.start)
-            try:
-                await asyncio.shield(made)
-            except asyncio.CancelledError:
-                await asyncio.wait({made})  # then stop() removes whatever it made
-                raise
+            await self.hosts.start_async()  # completes even if cancelled: stop() then removes it all
         address = {n.host: self.hosts.address(n.host) for n in self.cfg.nodes}
         self._hosts_dir = tempfile.mkdtemp(prefix="hmp-hosts-")
         derived = Path(self._hosts_dir) / Path(self.config_path).name

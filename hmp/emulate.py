@@ -36,6 +36,7 @@ address.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import ipaddress
 import json
@@ -232,6 +233,17 @@ class EmulatedHosts:
     def start(self) -> None:
         with self._lock:
             self._start()
+
+    async def start_async(self) -> None:
+        """:meth:`start` off the event loop (it runs ``ip`` and ``tc`` commands). If the caller is cancelled
+        meanwhile, the start still completes before the cancellation goes on, so that :meth:`close`
+        removes everything it made."""
+        made = asyncio.get_running_loop().run_in_executor(None, self.start)
+        try:
+            await asyncio.shield(made)
+        except asyncio.CancelledError:
+            await asyncio.wait({made})
+            raise
 
     def _start(self) -> None:
         if self._created:

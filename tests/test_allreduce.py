@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hmp.cluster import LocalCluster
-from tests.cluster_util import free_port
+from tests.cluster_util import digits_job_text, free_port
 
 pytestmark = pytest.mark.cluster
 BIN = str(Path(sys.executable).parent / "hmp-launch")  # the console script of the environment under test
@@ -20,33 +20,8 @@ BIN = str(Path(sys.executable).parent / "hmp-launch")  # the console script of t
 
 def ring_config(tmp: Path, *, workers: int = 2, target: float = 0.95, epochs: int = 40, max_seconds: float = 120,
                 extra: str = "") -> Path:
-    text = f"""
-[job]
-name = "ring"
-report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
-join_timeout_s = 60
-
-[model]
-name = "digits_mlp"
-
-[data]
-kind = "digits"
-
-[optimizer]
-name = "sgd"
-lr = 0.05
-momentum = 0.9
-
-[train]
-consistency = "allreduce"
-batch_size = 32
-target_accuracy = {target}
-epochs = {epochs}
-max_seconds = {max_seconds}
-eval_every_s = 0.3
-report_interval_s = 0.3
-
+    text = digits_job_text(tmp, name="ring", consistency="allreduce", target=target, epochs=epochs,
+                           max_seconds=max_seconds, train_extra="batch_size = 32") + f"""
 [collective]
 bucket_bytes = 16384  # the digits MLP (~70 KiB) in several buckets: overlap and ordering get exercised
 small_bytes = 4096

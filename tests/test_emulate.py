@@ -18,6 +18,7 @@ import pytest
 from hmp.cluster import LocalCluster
 from hmp.emulate import EmulatedHosts, EmulationUnavailable, HostSpec, load_hosts, remove_stale
 from hmp.errors import ConfigError
+from tests.cluster_util import digits_job_text
 
 BIN = str(Path(sys.executable).with_name("hmp-launch"))
 
@@ -170,32 +171,8 @@ def _job_file(tmp: Path, nodes: list[tuple[str, str, str, str]], *, target: floa
               max_seconds: float = 150, consistency: str = "async", extra: str = "") -> Path:
     """A digits job whose nodes are (id, role, host, more keys); the scheduler binds a fixed port."""
     ps = "[ps]\nchunk_bytes = 16384\n" if consistency != "allreduce" else ""
-    text = textwrap.dedent(f"""
-        [job]
-        name = "emu"
-        report_dir = "{tmp / 'run'}"
-        heartbeat_interval_s = 0.3
-        join_timeout_s = 60
-
-        [model]
-        name = "digits_mlp"
-
-        [data]
-        kind = "digits"
-
-        [optimizer]
-        name = "sgd"
-        lr = 0.05
-        momentum = 0.9
-
-        [train]
-        consistency = "{consistency}"
-        target_accuracy = {target}
-        epochs = {epochs}
-        max_seconds = {max_seconds}
-        eval_every_s = 0.3
-        report_interval_s = 0.3
-        """) + ps + extra
+    text = digits_job_text(tmp, name="emu", consistency=consistency, target=target, epochs=epochs,
+                           max_seconds=max_seconds) + ps + extra
     for nid, role, host, more in nodes:
         text += f'\n[[nodes]]\nid = "{nid}"\nrole = "{role}"\nhost = "{host}"\n{more}\n'
     path = tmp / "job.toml"

@@ -210,12 +210,7 @@ class JobManager:
     async def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.emulated is not None and self._own_hosts:
-            made = asyncio.get_running_loop().run_in_executor(None, self.emulated.start)
-            try:
-                await asyncio.shield(made)
-            except asyncio.CancelledError:
-                await asyncio.wait({made})  # then stop() removes whatever it made
-                raise
+            await self.emulated.start_async()  # completes even if cancelled: stop() then removes it all
         self._t0 = time.monotonic()
         if self.bind:
             self._server = Server(self.bind, {Kind.SUBMIT: self.on_submit, Kind.STATUS: self.on_status},

@@ -10,9 +10,9 @@ them all. The README's reference table comes from :mod:`hmp.config.reference`.
 from hmp.config.schema import (ENV_OVERRIDES, SECTIONS, WORKER_ROLES, BatchPolicyKind, CollectiveConfig, Config,
                                Consistency, DataConfig,
                                JobConfig, LimitsConfig, ModelConfig, NodeConfig, OptimizerConfig, PlacementConfig,
-                               PSConfig, Role, SweepConfig, TrainConfig, env_overrides, load, loads, validate)
+                               PSConfig, Role, SecurityConfig, SweepConfig, TrainConfig, env_overrides, load, loads, validate)
 
 __all__ = ["ENV_OVERRIDES", "SECTIONS", "WORKER_ROLES", "BatchPolicyKind", "Config",
            "CollectiveConfig", "Consistency", "DataConfig", "JobConfig", "LimitsConfig", "ModelConfig", "NodeConfig", "OptimizerConfig",
-           "PlacementConfig", "PSConfig", "Role", "SweepConfig", "TrainConfig", "env_overrides", "load", "loads",
+           "PlacementConfig", "PSConfig", "Role", "SecurityConfig", "SweepConfig", "TrainConfig", "env_overrides", "load", "loads",
            "validate"]

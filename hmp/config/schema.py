@@ -126,12 +126,18 @@ class TrainConfig:
     policy: str = _field("static", f"batch sizing: {' | '.join(BatchPolicyKind)}")
     policy_args: dict = _field({}, "policy knobs (see docs/hogbatch.md)")
     work_unit_batches: int = _field(4, "hogbatch/adaptive: batches per first-come-first-served work unit")
+    min_workers: int = _field(1, "the job goes on while at least this many workers are live; a lost, hung or "
+                                 "failed worker is dropped (its unfinished work goes back to the queue) instead "
+                                 "of failing the job")
 
 
 @dataclasses.dataclass(frozen=True)
 class PSConfig:
     chunk_bytes: int = _field(1 << 20, "parameter chunk size (bytes); chunks are spread over the shards")
-    checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: only at shutdown)")
+    checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: by time only, see "
+                                      "checkpoint_every_s)")
+    checkpoint_every_s: float = _field(30.0, "checkpoint each shard at least this often while it has new updates "
+                                             "(seconds; 0: only by checkpoint_every and at shutdown)")
     checkpoint_dir: str = _field("", "where shards write checkpoints; empty: <report_dir>/checkpoints")
     reject_nonfinite: bool = _field(True, "shards refuse pushes holding NaN or infinite values (error "
                                           "non_finite) instead of applying them; costs one sum over each push")
@@ -221,6 +227,21 @@ class JobConfig:
     heartbeat_interval_s: float = _field(0.5, "nodes heartbeat this often; 3 missed = lost")
     join_timeout_s: float = _field(60.0, "how long the scheduler waits for every node to join")
     log_format: str = _field("auto", "auto | console | json")
+    token: str = _field("", "the job's identity: every message a node sends carries it and a message with another "
+                            "token is refused (error unauthorized). Empty: the launcher makes a random one per run "
+                            "(env HMP_JOB_TOKEN); daemons started by hand without one accept any token")
+    restarts: dict = _field({}, "per role, how many times the launcher restarts a crashed daemon of that role, "
+                                "e.g. {cpu_worker = 2, ps = 1}; a restarted daemon rejoins the running job")
+
+
+@dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    curve: bool = _field(False, "authenticate and encrypt every connection with ZeroMQ CURVE (docs/security.md); "
+                                "off: anyone who can reach a port and knows the job token can talk to the job")
+    key_dir: str = _field("", "curve: the folder hmp-keygen wrote (NODE.key_secret per node, *.key public keys "
+                              "of every allowed peer); relative: to the config file")
+    handshake_timeout_s: float = _field(5.0, "curve: a connection whose handshake does not finish in this long "
+                                             "fails with an error naming the peer (a wrong key, or not CURVE)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +261,7 @@ class Config:
     placement: PlacementConfig = PlacementConfig()
     collective: CollectiveConfig = CollectiveConfig()
     shm: ShmConfig = ShmConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def node(self, node_id: str) -> NodeConfig:
         for n in self.nodes:
@@ -278,7 +300,7 @@ class Config:
 SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                              "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
                              "sweep": SweepConfig, "placement": PlacementConfig, "collective": CollectiveConfig,
-                             "shm": ShmConfig}
+                             "shm": ShmConfig, "security": SecurityConfig}
 
 
 def _type_name(t: Any) -> str:

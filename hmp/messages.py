@@ -43,6 +43,7 @@ class Kind(enum.Enum):
     SHM = "shm"
     SHM_RELEASE = "shm_release"
     SUBMIT = "submit"
+    DROP = "drop"
     # data
     INIT = "init"
     PUSH = "push"
@@ -60,7 +61,8 @@ class Kind(enum.Enum):
 
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
-                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE, Kind.SUBMIT})
+                       Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE, Kind.SUBMIT,
+                      Kind.DROP})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -87,6 +89,8 @@ class Message:
     kind: ClassVar[Kind]
     sender: str = ""
     rid: int = 0
+    #: the job's identity (``[job] token``): a receiver with a token refuses messages without it
+    job_token: str = ""
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -103,7 +107,7 @@ class Message:
         if self.rid:
             parts.append(f"#{self.rid}")
         for f in dataclasses.fields(self):
-            if f.name in ("sender", "rid"):
+            if f.name in ENVELOPE_FIELDS:
                 continue
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
@@ -116,6 +120,10 @@ class Message:
             else:
                 parts.append(f"{f.name}={v!r}")
         return " ".join(parts)
+
+
+#: the base fields every kind has; they travel as header keys of their own, not in ``fields``
+ENVELOPE_FIELDS = ("sender", "rid", "job_token")
 
 
 def _short_tensor(t: Tensor) -> str:
@@ -309,6 +317,16 @@ class Submit(Message):
     path: str = ""
 
 
+@message(Kind.DROP)
+class Drop(Message):
+    """Scheduler -> PS shard: worker ``node`` is gone (lost, failed or left; ``reason``): sync rounds
+    and SSP bounds stop waiting for it. Answered by :class:`Ack`. A worker that comes back is
+    counted again from its next push."""
+
+    node: str
+    reason: str = ""
+
+
 # ----------------------------------------------------------------------------- data kinds
 
 @message(Kind.INIT)
@@ -409,7 +427,7 @@ def _schema(cls: type[Message]) -> tuple[FieldSpec, ...]:
     hints = typing.get_type_hints(cls)
     specs = []
     for f in dataclasses.fields(cls):
-        if f.name in ("sender", "rid"):
+        if f.name in ENVELOPE_FIELDS:
             continue
         ann = hints[f.name]
         tensor = ann is torch.Tensor or ann == tuple[torch.Tensor, ...]

@@ -71,6 +71,8 @@ DTYPES: dict[str, torch.dtype] = {
 _WIRE_NAME = {v: k for k, v in DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
 HEADER_KEYS = frozenset({"version", "kind", "sender", "rid", "fields", "tensors"})
+#: header keys a message may leave out: ``job_token`` (the job's identity, docs/protocol.md "Trust")
+OPTIONAL_HEADER_KEYS = frozenset({"job_token"})
 TENSOR_KEYS = frozenset({"field", "dtype", "shape", "frames"})
 TENSOR_KEYS_SHM = TENSOR_KEYS | {"shm"}  #: a tensor in shared memory (module docstring)
 MAX_RID = (1 << 64) - 1
@@ -291,10 +293,10 @@ Resolve = Callable[[str, int, int, int], Any]
 
 
 def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str | None = None,
-           rid: int | None = None, locate: Locate | None = None) -> list[Any]:
+           rid: int | None = None, locate: Locate | None = None, job_token: str | None = None) -> list[Any]:
     """Encode ``msg`` as ``[header, *tensor frames]`` without copying tensor payloads.
 
-    ``sender`` and ``rid``, when given, replace the message's own in the header (what
+    ``sender``, ``rid`` and ``job_token``, when given, replace the message's own in the header (what
     ``msg.replace(sender=..., rid=...)`` would do, without building a new message). ``locate``,
     when given, is asked for each non-empty tensor: a ``[segment, offset, slot]`` it returns goes
     in the tensor's descriptor instead of frames (module docstring).
@@ -326,6 +328,9 @@ def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str 
     header = {"version": PROTOCOL_VERSION, "kind": schema.wire,
               "sender": msg.sender if sender is None else sender, "rid": msg.rid if rid is None else rid,
               "fields": fields, "tensors": descs}
+    token = msg.job_token if job_token is None else job_token
+    if token:
+        header["job_token"] = token
     return [_packers.packer.pack(header), *frames]
 
 
@@ -374,9 +379,13 @@ def decode_header(frame0: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any
         raise ProtocolError(f"header is not valid msgpack: {exc.__class__.__name__}: {text}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
-    if header.keys() != HEADER_KEYS:
-        missing, extra = sorted(HEADER_KEYS - set(header)), sorted(set(header) - HEADER_KEYS, key=str)
+    missing = HEADER_KEYS - header.keys()
+    extra = header.keys() - HEADER_KEYS - OPTIONAL_HEADER_KEYS
+    if missing or extra:
+        missing, extra = sorted(missing), sorted(extra, key=str)
         raise ProtocolError(f"header keys: missing {missing}, unexpected {extra}")
+    if not isinstance(header.get("job_token", ""), str):
+        raise ProtocolError("header.job_token must be a string")
     if header["version"] != PROTOCOL_VERSION or isinstance(header["version"], bool):
         raise ProtocolError(f"protocol version {header['version']!r} not supported; expected {PROTOCOL_VERSION}",
                             "bad_version")
@@ -461,7 +470,8 @@ def _decode(frames: Sequence[Any], limits: Limits, resolve: Resolve | None = Non
     schema = _BY_WIRE[header["kind"]]
     wire = schema.wire
 
-    values: dict[str, Any] = {"sender": header["sender"], "rid": header["rid"]}
+    values: dict[str, Any] = {"sender": header["sender"], "rid": header["rid"],
+                              "job_token": header.get("job_token", "")}
     checkers = schema.checkers
     for name, value in header["fields"].items():
         check = checkers.get(name) if isinstance(name, str) else None

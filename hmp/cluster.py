@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -117,6 +119,11 @@ class LocalCluster:
             check_placement(self.cfg.nodes, self.hosts.names, self.config_path, self.hosts.source)
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        # The job's identity: every daemon started here gets it (hmp.job.with_env reads HMP_JOB_TOKEN) and
+        # refuses messages without it, so that a second job on the same ports cannot join this one.
+        self.job_token = self.env.get("HMP_JOB_TOKEN") or self.cfg.job.token or secrets.token_hex(16)
+        self.env["HMP_JOB_TOKEN"] = self.job_token
+        self.cfg = self.cfg.replace(job=dataclasses.replace(self.cfg.job, token=self.job_token))
         self.resume = resume
         self.grace_s = grace_s
         self.procs: dict[str, asyncio.subprocess.Process | ForkedProcess] = {}

@@ -553,6 +553,7 @@ ENV_OVERRIDES = {
     "HMP_MAX_SECONDS": ("train", "max_seconds"),
     "HMP_REPORT_DIR": ("job", "report_dir"),
     "HMP_LOG_FORMAT": ("job", "log_format"),
+    "HMP_JOB_TOKEN": ("job", "token"),  # the launcher's per-run token for the daemons it starts
 }
 
 

@@ -13,7 +13,11 @@ Peers, each a sender process and a receiver process started once for the whole r
     processes call ``tune_malloc()`` first, as daemons do (see hmp.transport.endpoint); a second
     hmp pair without it gives ``hmp_default_malloc_gbps``;
   * pickle: the same tensor pickled over the raw TCP pair and unpickled (the naive way);
-  * small messages (hmp only): request/reply latency (p50, p99) and one-way messages/s.
+  * small messages (hmp only): request/reply latency (p50, p99) and one-way messages/s;
+  * CURVE (docs/security.md): a third hmp pair whose server and client use CURVE (keys made for the
+    run in a temporary folder), its 64 MiB requests interleaved message by message with plain hmp
+    requests (``--curve-pairs`` pairs per cycle): round-trip times (median), and the median of
+    the per-pair ratios CURVE / plain (``curve_rtt_ratio``). ``--curve-pairs 0`` leaves it out.
 
 Method. One 64 MiB message takes ~20-40 ms here, and the same message's time varies 2-3x from one
 to the next on a shared VM, so a few long runs per peer (as before) compared different moments of
@@ -25,11 +29,13 @@ is the median of them, with its min, quartiles and max in ``*_spread``. Per-peer
 
     python bench/transport.py [--json] [--quick] [--rounds N] [--repeats N] [--stream N] [--stream-pairs N]
                               [--megabytes M] [--frame-bytes B] [--small N] [--tcp-send S] [--pin]
+                              [--curve-pairs N]
 
 With ``--json`` the last line is one JSON object with every figure (``ratio_vs_raw_tcp``,
 ``ratio_vs_raw_tcp_stream`` (hmp streaming vs raw streaming), ``ratio_acked_vs_raw_tcp_stream``
 (hmp requests vs raw streaming), their ``*_spread``, per-peer ``peers``, latency, rates and the
-machine's load during the run).
+machine's load during the run; ``curve_rtt_ms``, ``curve_plain_rtt_ms``, ``curve_rtt_ratio`` and its
+spread, ``curve_gbps``).
 """
 
 from __future__ import annotations
@@ -185,7 +191,16 @@ def _tcp_sender(port: int, nbytes: int, how: str, cpu: int | None, conn: Any) ->
 
 # ----------------------------------------------------------------------------- hmp peer
 
-def _hmp_receiver(addr_q: Any, frame_bytes: int, tune: bool, cpu: int | None) -> None:
+def _security(key_dir: str | None, name: str, serve: bool) -> Any:
+    """A CURVE setting from the run's key folder (None: plain)."""
+    if key_dir is None:
+        return False
+    from hmp.transport.security import Curve
+
+    return Curve.load(key_dir, name, serve=serve)
+
+
+def _hmp_receiver(addr_q: Any, frame_bytes: int, tune: bool, cpu: int | None, key_dir: str | None = None) -> None:
     import uvloop
 
     _pin(cpu)
@@ -219,7 +234,8 @@ def _hmp_receiver(addr_q: Any, frame_bytes: int, tune: bool, cpu: int | None) ->
             return Ack()
 
         handlers = {Kind.TENSORS: on_tensors, Kind.HEARTBEAT: on_heartbeat, Kind.SHUTDOWN: on_shutdown}
-        async with Server("tcp://127.0.0.1:0", handlers, name="bench", frame_bytes=frame_bytes) as srv:
+        async with Server("tcp://127.0.0.1:0", handlers, name="bench", frame_bytes=frame_bytes,
+                          security=_security(key_dir, "bench-server", True)) as srv:
             addr_q.put(srv.address)
             await stop.wait()
             await asyncio.sleep(0.05)
@@ -227,14 +243,16 @@ def _hmp_receiver(addr_q: Any, frame_bytes: int, tune: bool, cpu: int | None) ->
     uvloop.run(main())
 
 
-def _hmp_sender(address: str, nbytes: int, frame_bytes: int, tune: bool, cpu: int | None, conn: Any) -> None:
+def _hmp_sender(address: str, nbytes: int, frame_bytes: int, tune: bool, cpu: int | None, key_dir: str | None,
+                conn: Any) -> None:
     _pin(cpu)
     torch.set_num_threads(1)
     if tune:
         tune_malloc()
 
     async def main() -> None:
-        async with Client(address, name="bench", frame_bytes=frame_bytes, timeout_s=REPLY_TIMEOUT_S) as client:
+        async with Client(address, name="bench", frame_bytes=frame_bytes, timeout_s=REPLY_TIMEOUT_S,
+                          security=_security(key_dir, "bench", False)) as client:
             tensor = torch.randn(nbytes // 4)
             msg = Tensors(name="g", tensors=(tensor,))
 
@@ -346,11 +364,14 @@ def main() -> None:
                     help="raw TCP sender: non-blocking sends of all that is left (as libzmq), or one "
                          "blocking sendall per message (this benchmark's method before)")
     ap.add_argument("--small", type=int, default=4000, help="one-way small messages per block")
+    ap.add_argument("--curve-pairs", type=int, default=2,
+                    help="plain/CURVE pairs of acknowledged hmp messages per cycle (0: no CURVE figures)")
     ap.add_argument("--pin", action="store_true",
                     help="pin every sender to CPU 0 and every receiver to CPU 1 (the same for all peers)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.repeats, args.stream, args.stream_pairs, args.small = 4, 2, 3, 1, 1000
+        args.curve_pairs = min(args.curve_pairs, 1)
     torch.set_num_threads(1)
     nbytes = args.megabytes * MiB
     scpu, rcpu = (0, 1) if args.pin else (None, None)
@@ -365,15 +386,29 @@ def main() -> None:
             "raw_stream": ("raw", "stream", args.stream), "hmp_stream": ("hmp", "stream", args.stream),
             "hmp_default_malloc": ("hmp_default_malloc", "acked", args.repeats), "pickle": ("raw", "pickle", 1),
             "latency": ("hmp", "latency", n_lat), "oneway": ("hmp", "oneway", args.small)}
+    if args.curve_pairs:  # plain requests of their own, paired with the CURVE ones
+        what.update({"curve_plain": ("hmp", "acked", 1), "curve": ("hmp_curve", "acked", 1)})
     # times[series][cycle]: the seconds returned by each of that cycle's blocks of the series
     times: dict[str, list[list[list[float]]]] = {name: [] for name in what}
     pairs: dict[str, Pair] = {}
+    key_dir = None
+    if args.curve_pairs:
+        import tempfile
+
+        from hmp.keygen import main as keygen
+        key_dir = tempfile.mkdtemp(prefix="hmp-bench-keys-")
+        if keygen([key_dir, "--nodes", "bench", "--client", "bench-server"]) != 0:
+            raise RuntimeError("hmp-keygen failed")
+        # the server's own key is the job's server key; "bench-server" only names the receiver process
     try:
         pairs["raw"] = Pair("raw", _tcp_receiver, (rcpu,), _tcp_sender,
                             lambda port: (port, nbytes, args.tcp_send, scpu))
         for name, tune in (("hmp", True), ("hmp_default_malloc", False)):
             pairs[name] = Pair(name, _hmp_receiver, (args.frame_bytes, tune, rcpu), _hmp_sender,
-                               lambda addr, t=tune: (addr, nbytes, args.frame_bytes, t, scpu))
+                               lambda addr, t=tune: (addr, nbytes, args.frame_bytes, t, scpu, None))
+        if args.curve_pairs:
+            pairs["hmp_curve"] = Pair("hmp_curve", _hmp_receiver, (args.frame_bytes, True, rcpu, key_dir), _hmp_sender,
+                                      lambda addr: (addr, nbytes, args.frame_bytes, True, scpu, key_dir))
         for p in pairs.values():
             p.ready()
         for pair, cmd, k in what.values():  # warm-up: buffers, page faults, code paths
@@ -395,11 +430,18 @@ def main() -> None:
             for i in range(args.stream_pairs):
                 for name in alternate(["raw_stream", "hmp_stream"], cycle + i):
                     run(name)
+            for i in range(args.curve_pairs):
+                for name in alternate(["curve_plain", "curve"], cycle + i):
+                    run(name)
             for name in alternate(["hmp_default_malloc", "pickle", "latency", "oneway"], cycle):
                 run(name)
     finally:
         for p in pairs.values():
             p.close()
+        if key_dir is not None:
+            import shutil
+
+            shutil.rmtree(key_dir, ignore_errors=True)
     wall_s = time.perf_counter() - t_start
     load_after = load_average()
     cpu = meter.stop()
@@ -458,6 +500,16 @@ def main() -> None:
         "quiet": is_quiet(cpu),
         "wall_s": round(wall_s, 1),
     })
+    if args.curve_pairs:
+        curve_s = [x for blocks_ in times["curve"] for b in blocks_ for x in b]
+        plain_s = [x for blocks_ in times["curve_plain"] for b in blocks_ for x in b]
+        rs = ratios(curve_s, plain_s)  # adjacent pairs, each first in every other pair
+        res.update({"curve_rtt_ms": round(quantile(curve_s, 0.5) * 1e3, 2),
+                    "curve_plain_rtt_ms": round(quantile(plain_s, 0.5) * 1e3, 2),
+                    "curve_rtt_ratio": round(quantile(rs, 0.5), 3), "curve_rtt_ratio_spread": spread(rs),
+                    "curve_gbps": round(nbytes / quantile(curve_s, 0.5) / 1e9, 3)})
+        res["method"]["curve_pairs_per_cycle"] = args.curve_pairs
+        res["samples"]["curve_pairs"] = len(rs)
     report(res)
     if args.json:
         print(json.dumps(res))
@@ -489,6 +541,10 @@ def report(res: dict[str, Any]) -> None:
     ob = res["oneway_msgs_per_s_blocks"]
     print(f"one-way small messages = {res['oneway_msgs_per_s']:,}/s (per block {ob['min']:,.0f} .. "
           f"{ob['max']:,.0f}; target >= 50,000)")
+    if "curve_rtt_ratio" in res:
+        print(f"CURVE: {res['message_bytes'] // MiB} MiB request round trip {res['curve_rtt_ms']:.1f} ms against "
+              f"{res['curve_plain_rtt_ms']:.1f} ms plain ({res['curve_gbps']:.2f} GB/s); per-pair ratio CURVE/plain "
+              f"{fmt_spread(res['curve_rtt_ratio_spread'])}")
     print(cpu_line(res.get("cpu_during_run"), res["load_avg_before"], res["load_avg_after"], res["wall_s"]))
 
 

@@ -53,8 +53,8 @@ class PSClient:
             if self.arena is not None:
                 self._grads_into(self.arena)
         kw: dict[str, Any] = {"name": name, "timeout_s": timeout_s, "shm": self.arena or False}
-        if cfg is not None:
-            kw.update(limits=Limits.of(cfg.limits), frame_bytes=cfg.limits.frame_bytes)
+        if cfg is not None:  # the job's token too: its shards refuse messages of other jobs
+            kw.update(limits=Limits.of(cfg.limits), frame_bytes=cfg.limits.frame_bytes, job_token=cfg.job.token)
         self.shards = [(sid, Client(addr, **kw), tuple(sharded.assignment[i])) for i, (sid, addr) in enumerate(shards)]
         self._all_shards = list(self.shards)
         self._grads = sharded.grad_views()
@@ -166,9 +166,10 @@ class PSClient:
         assert isinstance(reply, Params), reply
         self._write(reply)
 
-    async def leave(self, reason: str = "done") -> None:
-        """Tell every shard this client is done (it stops counting in sync rounds and SSP bounds)."""
-        await asyncio.gather(*(c.request(Leave(reason=reason), timeout_s=5.0) for _, c, _ in self.shards),
+    async def leave(self, reason: str = "done", timeout_s: float = 5.0) -> None:
+        """Tell every shard this client is done (it stops counting in sync rounds and SSP bounds);
+        a shard that does not answer within ``timeout_s`` is not waited for longer."""
+        await asyncio.gather(*(c.request(Leave(reason=reason), timeout_s=timeout_s) for _, c, _ in self.shards),
                              return_exceptions=True)
 
     def evaluate(self, dataset: Any = None) -> dict[str, float]:

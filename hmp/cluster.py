@@ -6,9 +6,15 @@
 Every daemon is its own OS process (what ``python -m hmp.nodes.main ROLE --config F --id N`` runs, forked from
 a server that has imported torch once: :mod:`hmp.nodes.forkserver`; on emulated hosts each enters its host's
 network namespace after the fork; ``HMP_FORKSERVER=0`` execs each), its log in
-``<report_dir>/logs/<id>.log``. ``train()`` watches them: if any exits non-zero the others are
-stopped and :class:`JobFailed` names it; leaving the ``async with`` block stops whatever still
+``<report_dir>/logs/<id>.log``. ``train()`` watches them: if a PS shard or the scheduler exits non-zero the
+others are stopped and :class:`JobFailed` names it; leaving the ``async with`` block stops whatever still
 runs (SIGTERM, then SIGKILL after a grace period), so no process outlives the cluster.
+
+Workers are elastic (docs/architecture.md, "Elastic workers"): a worker that exits non-zero or is killed
+while the job runs is started again (same id, a new process; its log ``<id>.<n>.log``) while its role's
+``[job] restarts`` allows, and rejoins the job; :attr:`LocalCluster.restarts` lists each restart. Past
+that limit the job goes on without it, the scheduler judging whether enough workers remain (``[train]
+min_workers``); if the job then fails, :class:`JobFailed` names the first worker that exited non-zero.
 
 On emulated hosts (``LocalCluster(cfg, hosts="conf/hosts4.toml")`` or a :class:`~hmp.emulate.EmulatedHosts`;
 docs/emulate.md): each ``[[nodes]] host`` names a host of the hosts file, each daemon runs inside its
@@ -36,15 +42,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from hmp import job
-from hmp.config import Config, Role
+from hmp.config import WORKER_ROLES, Config, Role
 from hmp.emulate import EmulatedHosts, check_placement, topology_on_hosts
-from hmp.errors import HmpError, RequestTimeout
+from hmp.errors import ConfigError, HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
 from hmp.nodes.forkserver import ForkedProcess, ForkServer, ForkServerExited
 from hmp.nodes.forkserver import enabled as forkserver_enabled
 from hmp.transport.endpoint import Client
 from hmp.transport.shm import cleanup_stale
+
+_log = structlog.get_logger("hmp").bind(role="launcher")
 
 START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
 
@@ -64,7 +74,7 @@ async def main(address):
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    client = Client(address, name="launcher", timeout_s=5.0)
+    client = Client(address, name="launcher", timeout_s=5.0, job_token=os.environ.get("HMP_JOB_TOKEN", ""))
     await client.connect()
     out.write('{"ready": true}\n'); out.flush()
     try:
@@ -126,6 +136,21 @@ class LocalCluster:
         self.cfg = self.cfg.replace(job=dataclasses.replace(self.cfg.job, token=self.job_token))
         self.resume = resume
         self.grace_s = grace_s
+        bad = {r: n for r, n in self.cfg.job.restarts.items() if r not in WORKER_ROLES and n}
+        if bad:
+            raise ConfigError(self.cfg.path, "job.restarts",
+                              f"restart counts for worker roles only ({', '.join(sorted(WORKER_ROLES))}): restarting "
+                              f"a PS shard or the scheduler mid-job is not supported yet; got "
+                              f"{', '.join(f'{r} = {n}' for r, n in sorted(bad.items()))}")
+        #: restarts of crashed workers so far, one ``{node, t, exit_code, attempt, log}`` each (``t``: seconds
+        #: since start())
+        self.restarts: list[dict[str, Any]] = []
+        #: workers that exited non-zero and were not restarted: ``{node: exit code}``
+        self.worker_exits: dict[str, int] = {}
+        self._restarts_left = {n.id: int(self.cfg.job.restarts.get(n.role, 0)) for n in self.cfg.workers}
+        self._log_paths: dict[str, Path] = {}
+        self._t_start = time.monotonic()
+        self._stopping = False
         self.procs: dict[str, asyncio.subprocess.Process | ForkedProcess] = {}
         self.log_dir = self.cfg.report_dir / "logs"
         self._logs: dict[str, Any] = {}
@@ -144,26 +169,50 @@ class LocalCluster:
 
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._t_start = time.monotonic()
         cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)  # shared memory left by this job's killed daemons
         if self.hosts is not None:
             await self._start_hosts()
         for role in START_ORDER:
             for node in self.cfg.by_role(role):
-                args = [role, "--config", self.config_path, "--id", node.id]
-                if role == Role.PS and self.resume:
-                    args.append("--resume")
-                if forkserver_enabled():  # a fork of a process that has imported torch already (docs/architecture.md)
-                    self.procs[node.id] = await self._fork(node.host, args, str(self.log_dir / f"{node.id}.log"))
-                    continue
-                cmd = [sys.executable, "-m", "hmp.nodes.main", *args]
-                if self.hosts is not None:
-                    cmd = self.hosts.command(node.host, cmd)  # `ip netns exec` execs the daemon: same pid
-                logf = open(self.log_dir / f"{node.id}.log", "wb")  # noqa: SIM115 - closed in stop()
-                self._logs[node.id] = logf
-                # A new session: a Ctrl-C on the terminal reaches the launcher only, which stops
-                # the daemons in order instead of all of them dying at once.
-                self.procs[node.id] = await asyncio.create_subprocess_exec(
-                    *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
+                await self._start_node(node.id)
+
+    async def _start_node(self, node_id: str, log_name: str = "") -> None:
+        """Start daemon ``node_id`` (again, for a restart: its log then goes to ``log_name``)."""
+        node = self.cfg.node(node_id)
+        args = [node.role, "--config", self.config_path, "--id", node.id]
+        if node.role == Role.PS and self.resume:
+            args.append("--resume")
+        log = self._log_paths[node.id] = self.log_dir / (log_name or f"{node.id}.log")
+        if forkserver_enabled():  # a fork of a process that has imported torch already (docs/architecture.md)
+            self.procs[node.id] = await self._fork(node.host, args, str(log))
+            return
+        cmd = [sys.executable, "-m", "hmp.nodes.main", *args]
+        if self.hosts is not None:
+            cmd = self.hosts.command(node.host, cmd)  # `ip netns exec` execs the daemon: same pid
+        if node.id in self._logs:
+            self._logs.pop(node.id).close()
+        logf = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self._logs[node.id] = logf
+        # A new session: a Ctrl-C on the terminal reaches the launcher only, which stops
+        # the daemons in order instead of all of them dying at once.
+        self.procs[node.id] = await asyncio.create_subprocess_exec(
+            *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    async def _restart_worker(self, node_id: str, code: int) -> bool:
+        """Start a crashed worker again if its role's ``[job] restarts`` allows and the job still runs."""
+        scheduler = self.procs.get(self.cfg.scheduler.id)
+        if self._stopping or self._restarts_left.get(node_id, 0) < 1 or scheduler is None \
+                or scheduler.returncode is not None:
+            return False
+        self._restarts_left[node_id] -= 1
+        attempt = sum(1 for r in self.restarts if r["node"] == node_id) + 1
+        await self._start_node(node_id, log_name=f"{node_id}.{attempt}.log")
+        entry = {"node": node_id, "t": round(time.monotonic() - self._t_start, 3), "exit_code": code,
+                 "attempt": attempt, "log": str(self._log_paths[node_id])}
+        self.restarts.append(entry)
+        _log.warning("worker_restarted", **entry, restarts_left=self._restarts_left[node_id])
+        return True
 
     async def _fork(self, host: str, args: list[str], log: str) -> ForkedProcess:
         """Fork the daemon from this process's fork server (into its emulated host's network, if any)."""
@@ -188,7 +237,7 @@ class LocalCluster:
         self.config_path = str(derived)
 
     def log_tail(self, node_id: str, lines: int = 15) -> str:
-        p = self.log_dir / f"{node_id}.log"
+        p = self._log_paths.get(node_id) or self.log_dir / f"{node_id}.log"
         try:
             return "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -201,7 +250,8 @@ class LocalCluster:
             return reply.get("state") if reply and "error" not in reply else None
         if self._status_client is None:
             s = self.cfg.scheduler
-            self._status_client = Client(s.advertise or s.bind, name="launcher", timeout_s=timeout_s)
+            self._status_client = Client(s.advertise or s.bind, name="launcher", timeout_s=timeout_s,
+                                         job_token=self.job_token)
             await self._status_client.connect()
         try:
             reply = await self._status_client.request(Status(), timeout_s=timeout_s)
@@ -211,7 +261,9 @@ class LocalCluster:
 
     async def wait(self, timeout_s: float | None = None,
                    progress: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 1.0) -> None:
-        """Wait until every daemon has exited; raise JobFailed at the first non-zero exit."""
+        """Wait until every daemon has exited; raise JobFailed at the first non-zero exit of a shard or the
+        scheduler. A worker's non-zero exit restarts it (``[job] restarts``) or is left to the scheduler's
+        judgement (``[train] min_workers``); JobFailed then names the first such worker."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         waits = {asyncio.create_task(p.wait()): nid for nid, p in self.procs.items()}
         try:
@@ -219,9 +271,25 @@ class LocalCluster:
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
-                    nid = waits[t]
-                    if t.result() != 0:
-                        raise JobFailed(f"daemon {nid} exited with code {t.result()}", nid, self.log_tail(nid))
+                    nid, code = waits[t], t.result()
+                    if code == 0:
+                        continue
+                    if self.cfg.node(nid).role in WORKER_ROLES:
+                        if await self._restart_worker(nid, code):
+                            t2 = asyncio.create_task(self.procs[nid].wait())
+                            waits[t2] = nid
+                            pending.add(t2)
+                        else:
+                            self.worker_exits.setdefault(nid, code)
+                            _log.warning("worker_exited", node=nid, exit_code=code,
+                                         note="the job goes on while [train] min_workers remain")
+                        continue
+                    if self.worker_exits:  # the job failed after (likely: because) a worker died
+                        first, first_code = next(iter(self.worker_exits.items()))
+                        raise JobFailed(f"daemon {first} exited with code {first_code}, then {nid} with code {code}",
+                                        first, self.log_tail(first) + f"\n--- last lines of {nid}'s log ---\n"
+                                        + self.log_tail(nid))
+                    raise JobFailed(f"daemon {nid} exited with code {code}", nid, self.log_tail(nid))
                 if progress is not None and self.procs[self.cfg.scheduler.id].returncode is None:
                     st = await self.status(timeout_s=min(poll_s, 2.0))
                     if st:
@@ -323,6 +391,7 @@ class LocalCluster:
     async def stop(self) -> None:
         """Stop every daemon still running: SIGTERM, then SIGKILL after the grace period. Emulated hosts
         the cluster made are then removed with whatever still runs in them, also when this is cancelled."""
+        self._stopping = True  # no more restarts
         try:
             if self._status_client is not None:
                 client, self._status_client = self._status_client, None

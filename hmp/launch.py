@@ -112,6 +112,12 @@ async def _launch(args: argparse.Namespace) -> int:
     for wid, w in report.get("workers", {}).items():
         print(f"  {wid}: {w['updates']:.0f} updates ({w['update_share']:.0%}), {w['samples_per_s']:.0f} samples/s, "
               f"busy {w['busy_fraction']:.0%}, {w['bytes_out'] / 1e6:.1f} MB out")
+    for ev in report.get("membership", []):  # who left, when, why (docs/architecture.md, "Elastic workers")
+        print(f"  {ev.get('node')} {ev.get('event')} at {ev.get('t', 0):.1f} s: {ev.get('why', '')}")
+    for r in cluster.restarts:
+        print(f"  {r['node']} restarted by the launcher (attempt {r['attempt']}, exit code {r['exit_code']})")
+    if report.get("work_redone"):
+        print(f"  work redone: {report['work_redone']} examples handed out again")
     print(f"report: {cfg.report_dir / 'report.json'}, plot: {cfg.report_dir / 'loss.png'}")
     return 0
 
@@ -132,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hmp-launch: config error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. a folder made unwritable after the config was checked: one line, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"hmp-launch: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

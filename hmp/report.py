@@ -21,6 +21,10 @@ class RunReport:
     sharding: dict[str, Any] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] = dataclasses.field(default_factory=dict)  # [placement] jobs: plans, stage rates
     rings: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # allreduce jobs: each ring generation
+    #: who was lost, left, failed, rejoined or restarted while the job ran: ``{node, event, t, why}``, oldest first
+    membership: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: examples handed out again because the worker holding them was gone (first-come-first-served jobs)
+    work_redone: int = 0
 
     def _worker(self, worker_id: str) -> dict[str, Any]:
         return self.workers.setdefault(worker_id, {"series": [], "final": {}})
@@ -52,7 +56,7 @@ class RunReport:
     def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
                 "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "rings": self.rings,
-                "workers": self.summary(),
+                "membership": self.membership, "work_redone": self.work_redone, "workers": self.summary(),
                 "series": {w: d["series"] for w, d in self.workers.items()}}
 
 

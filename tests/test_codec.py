@@ -297,3 +297,120 @@ def test_empty_tensor_with_overflowing_dimensions_is_too_large():
     with pytest.raises(ProtocolError) as info:
         decode([header])
     assert info.value.code == "too_large" and "shape" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- expensive messages
+
+def _tensors_header(**kw) -> bytes:
+    h = {"version": 1, "kind": "tensors", "sender": "w", "rid": 7, "fields": {"name": "a"}, "tensors": []}
+    h.update(kw)
+    return msgpack.packb(h)
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("frames", "match"), [
+    # a header of a million empty arrays: refused by the container count, not unpacked whole
+    ([_tensors_header(fields={"name": "a", "meta": {"x": [[[]] * 8000] * 120}})], "maps and arrays"),
+    # descriptors over max_tensors, each with its (tiny) frame
+    ([_tensors_header(tensors=[{"field": "tensors", "dtype": "uint8", "shape": [1], "frames": 1}] * 1025)]
+     + [b"x"] * 1025, "1025 tensors exceed the limit of 1024"),
+    # thousands of descriptors: stopped by the container count before max_tensors is even checked
+    ([_tensors_header(tensors=[{"field": "tensors", "dtype": "uint8", "shape": [0], "frames": 0}] * 5000)],
+     "maps and arrays"),
+    ([_tensors_header(fields={"name": "a", "meta": {"x": _nested(33)}})], r"tensors\.meta: nested deeper than"),
+    ([_tensors_header(sender="s" * 70000)], "max_str_len"),
+    ([_tensors_header()] + [b""] * 4097, "4097 data frames exceed"),
+])
+def test_expensive_messages_are_refused_as_too_large(frames, match):
+    """Messages whose decoding would cost more than their bytes (many containers, descriptors or frames, deep
+    nesting, long strings) are refused as too_large, naming what was over which limit."""
+    with pytest.raises(ProtocolError, match=match) as info:
+        decode(frames)
+    assert info.value.code == "too_large"
+    assert frame_error_rid(frames) == 7
+
+
+def test_values_at_the_limits_still_decode():
+    """Exactly max_tensors descriptors, nesting of exactly max_depth and a header of exactly max_containers
+    maps and arrays are accepted: the limits refuse only what is over them."""
+    n = Limits().max_tensors
+    msg = Tensors(name="a", tensors=tuple(torch.full((1,), i % 256, dtype=torch.uint8) for i in range(n)),
+                  meta={"x": _nested(Limits().max_depth)})
+    assert decode(encode(msg)) == msg
+    limits = Limits(max_containers=100)
+    # the header, fields, meta, meta's list and the tensor table: 5 containers, plus 95 empty arrays
+    fits = _tensors_header(fields={"name": "a", "meta": {"x": [[]] * 95}})
+    decode([fits], limits)
+    over = _tensors_header(fields={"name": "a", "meta": {"x": [[]] * 96}})
+    with pytest.raises(ProtocolError, match="more than 100 maps and arrays"):
+        decode([over], limits)
+
+
+def test_custom_limits_raise_the_tensor_and_container_caps_together():
+    """max_containers follows max_tensors unless set: raising max_tensors admits that many descriptors."""
+    msg = Tensors(name="a", tensors=tuple(torch.zeros(1) for _ in range(3000)))
+    with pytest.raises(ProtocolError, match="maps and arrays"):
+        decode(encode(msg))
+    assert len(decode(encode(msg), Limits(max_tensors=4096)).tensors) == 3000
+
+
+@pytest.mark.parametrize(("msg", "kw", "limits", "match"), [
+    (Tensors(name="a", tensors=(torch.zeros(100, dtype=torch.uint8), torch.zeros(29, dtype=torch.uint8))), {},
+     Limits(max_message_bytes=128), r"tensors\.tensors\[1\]: the message's tensors reach 129 bytes, over the limit "
+                                    r"of 128 \(limits\.max_message_bytes\)"),
+    (Tensors(name="a", tensors=(torch.zeros((1,) * 9),)), {}, Limits(),
+     r"tensors\.tensors\[0\]: rank 9 exceeds the limit of 8 \(limits\.max_rank\)"),
+    (Tensors(name="a", tensors=tuple(torch.zeros(1) for _ in range(5))), {}, Limits(max_tensors=4),
+     r"tensors: 5 tensors exceed the limit of 4 \(limits\.max_tensors\)"),
+    (Tensors(name="a", tensors=(torch.zeros(100, dtype=torch.uint8),)), {"frame_bytes": 10}, Limits(max_frames=9),
+     r"tensors: 10 data frames of at most 10 bytes exceed the limit of 9 \(limits\.max_frames\)"),
+    (Tensors(name="a", tensors=(), meta={"x": "y" * 2000}), {}, Limits(max_header_bytes=1000),
+     "header of 20.. bytes exceeds the limit of 1000"),
+])
+def test_encode_with_limits_refuses_on_the_sender_side(msg, kw, limits, match):
+    """encode(..., limits=) raises too_large naming the field and the limit for what a receiver with the same
+    limits would refuse; without limits the same message encodes (and the receiver refuses it)."""
+    with pytest.raises(ProtocolError, match=match) as info:
+        encode(msg, limits=limits, **kw)
+    assert info.value.code == "too_large"
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(msg, **kw), limits)
+    assert info.value.code == "too_large"
+
+
+def test_encode_with_limits_passes_what_fits():
+    """A message at every limit encodes with limits= exactly as without."""
+    msg = Tensors(name="a", tensors=(torch.zeros(64, dtype=torch.uint8),) * 4)
+    limits = Limits(max_message_bytes=256, max_tensors=4, max_frames=8)
+    got = encode(msg, frame_bytes=32, limits=limits)
+    assert [bytes(memoryview(f)) for f in got] == [bytes(memoryview(f)) for f in encode(msg, frame_bytes=32)]
+    assert decode(got, limits) == msg
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.integers(0, 9) | st.text(max_size=3),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
+                    max_leaves=40), st.integers(1, 6))
+def test_depth_limit_matches_the_nesting(value, max_depth):
+    """A free-form value (here a value in tensors.meta) decodes exactly when its nesting (a scalar: 0, [] or {}:
+    1) is within max_depth."""
+    def depth(v):
+        if isinstance(v, list):
+            return 1 + max((depth(x) for x in v), default=0)
+        if isinstance(v, dict):
+            return 1 + max((depth(x) for x in v.values()), default=0)
+        return 0
+    frames = encode(Tensors(name="a", tensors=(), meta={"v": value}))
+    limits = Limits(max_depth=max_depth)
+    if depth(value) <= max_depth:
+        assert decode(frames, limits).meta == {"v": value}
+    else:
+        with pytest.raises(ProtocolError, match="nested deeper") as info:
+            decode(frames, limits)
+        assert info.value.code == "too_large"

@@ -211,6 +211,14 @@ def _mutated(tmp_path, edit) -> Path:
     (lambda t: t.replace('policy = "static"', 'policy = "adaptive"').replace(
         "[train]", "[train]\npolicy_args = { bogus = 1 }"), "train.policy_args"),
     (lambda t: t + '\n[sweep]\nmembers = [{lr = "fast"}]\n', "sweep.members"),
+    (lambda t: t.replace("checkpoint_every = 0", "checkpoint_every = -1"), "ps.checkpoint_every"),
+    (lambda t: t.replace("checkpoint_every = 0", "checkpoint_every_s = -0.5"), "ps.checkpoint_every_s"),
+    (lambda t: t.replace("[train]", "[train]\nmin_workers = 0"), "train.min_workers"),
+    (lambda t: t.replace("[train]", "[train]\nmin_workers = 3"), "train.min_workers"),  # the job has 2
+    (lambda t: t.replace("[job]", "[job]\nrestarts = { ps_shard = 1 }"), "job.restarts.ps_shard"),
+    (lambda t: t.replace("[job]", "[job]\nrestarts = { cpu_worker = -1 }"), "job.restarts.cpu_worker"),
+    (lambda t: t.replace("[job]", '[job]\ntoken = "tab\\there"'), "job.token"),
+    (lambda t: t + "\n[security]\nhandshake_timeout_s = 0\n", "security.handshake_timeout_s"),
 ])
 def test_bad_values_are_config_errors_naming_file_and_key(tmp_path, edit, key):
     """Values the code would refuse only at run time (in a daemon, with a traceback) are refused
@@ -230,3 +238,66 @@ def test_environment_overrides_are_validated_and_named(tmp_path):
         with pytest.raises(ConfigError) as info:
             env_overrides(cfg, {var: value})
         assert info.value.key == key and f"${var}" in info.value.path
+
+
+def test_unwritable_folders_are_config_errors_naming_key_and_path(tmp_path):
+    """A report or checkpoint folder that cannot be written or made is refused at load (every daemon and the
+    launcher load the config) naming the key and the path; a folder that does not exist yet but can be
+    made is fine, and nothing is made by the check."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    fine = tmp_path / "not" / "yet"
+    cfg = loads(f'[job]\nreport_dir = "{fine}"\n' + GOOD)
+    assert cfg.report_dir == fine and not (tmp_path / "not").exists()
+    for section, key in (("job", "report_dir"), ("ps", "checkpoint_dir")):
+        with pytest.raises(ConfigError) as info:
+            loads(f'[{section}]\n{key} = "{blocker / "run"}"\n' + GOOD, "job.toml")
+        assert info.value.key == f"{section}.{key}" and info.value.path == "job.toml"
+        assert str(blocker) in info.value.expected and "is a file" in info.value.expected
+    # With shards the default checkpoint folder lies in the report folder: an unwritable report folder is
+    # named once, by its own key.
+    with pytest.raises(ConfigError, match="job.report_dir"):
+        loads(f'[job]\nreport_dir = "{blocker}"\n' + GOOD)
+
+
+def test_a_read_only_report_folder_is_a_config_error_for_root_too(tmp_path):
+    """Permission bits do not stop root; a read-only file system does, and the check sees it."""
+    import os
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        with pytest.raises(ConfigError) as info:
+            loads(f'[job]\nreport_dir = "{ro / "run"}"\n' + GOOD)
+        assert info.value.key == "job.report_dir" and f"{ro} is not writable" in info.value.expected
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_a_shard_share_over_max_message_bytes_is_refused_with_the_fix():
+    """A pull reply carries all of a shard's chunks: a share over limits.max_message_bytes is refused at load
+    with the size to raise it to; that size itself loads, and so does the same limit with more shards."""
+    from hmp.job import sharded_model
+
+    cfg = loads(GOOD.replace('[train]', '[ps]\nchunk_bytes = 4096\n[train]'))
+    share = max(sum(sharded_model(cfg).chunks[k].nbytes for k in keys)
+                for keys in sharded_model(cfg).assignment.values())
+    tight = GOOD.replace('[train]', f'[ps]\nchunk_bytes = 4096\n[limits]\nmax_message_bytes = {share - 1}\n[train]')
+    with pytest.raises(ConfigError) as info:
+        loads(tight)
+    assert info.value.key == "limits.max_message_bytes"
+    assert f"raise limits.max_message_bytes to at least {share} or add PS shards" in info.value.expected
+    loads(tight.replace(f"max_message_bytes = {share - 1}", f"max_message_bytes = {share}"))
+    two_shards = tight + '[[nodes]]\nid = "p2"\nrole = "ps"\n'
+    loads(two_shards)
+
+
+def test_resilience_keys_load():
+    cfg = loads('[job]\nrestarts = { cpu_worker = 2, ps = 1 }\ntoken = "abc123"\n[ps]\ncheckpoint_every_s = 0\n'
+                + GOOD.replace('consistency = "sync"', 'consistency = "sync"\nmin_workers = 1'))
+    assert cfg.job.restarts == {"cpu_worker": 2, "ps": 1} and cfg.job.token == "abc123"
+    assert cfg.ps.checkpoint_every_s == 0.0 and cfg.train.min_workers == 1

@@ -295,8 +295,8 @@ async def test_a_bad_submission_is_refused_while_a_running_job_continues(tmp_pat
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 async def test_a_job_whose_worker_is_killed_fails_alone(tmp_path, hosts):
-    """Killing one worker of a running job fails that job (its other daemons stopped, its slots freed);
-    the other job finishes."""
+    """Killing one worker of a running job that needs both (min_workers = 2) fails that job (its other
+    daemons stopped, its slots freed); the other job finishes."""
     long = _write(tmp_path, "long.toml", _job_text(epochs=200, max_seconds=80))
     short = _write(tmp_path, "short.toml", _job_text(epochs=3))
     async with JobManager(hosts, "gadget", run_dir=tmp_path / "runs", grace_s=3) as m:

@@ -87,3 +87,20 @@ def test_checkpoint_round_trip_continues_identically(tmp_path):
     b.apply("a", (0,), g, 1)
     assert torch.equal(a.values((0,))[0], b.values((0,))[0])
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_worker_counted_again_starts_at_the_slowest_clock():
+    """SSP: a dropped worker that comes back starts level with the slowest live worker; from clock 0 it
+    would hold every other worker back until it had caught up."""
+    core = _core("ssp", staleness=1)
+    g = (torch.ones(4),)
+    for _ in range(3):
+        core.apply("a", (0,), g, 1)
+        core.apply("b", (0,), g, 1)
+    core.remove_worker("b")
+    assert core.ssp_ready("a")
+    core.add_worker("b")
+    assert core.clock["b"] == 3 and core.ssp_ready("a")
+    core.apply("a", (0,), g, 1)
+    core.apply("a", (0,), g, 1)
+    assert not core.ssp_ready("a")  # the bound holds again, against the returned worker

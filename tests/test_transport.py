@@ -692,3 +692,48 @@ def test_eager_start_on_every_interpreter(version):
                            text=True, timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.startswith("ok")
+
+
+async def test_a_server_with_a_job_token_refuses_other_tokens_before_any_handler(tcp_address):
+    """A server with a job token answers a message without it or with another `unauthorized` (naming the sender,
+    never a token) before its handler or ``authorize`` runs; ``authorize`` then refuses what it names; the
+    right token is served, and the server keeps serving everyone."""
+    called = []
+
+    async def heartbeat(msg, peer):
+        called.append(msg.sender)
+        return Ack(detail=msg.sender)
+
+    def authorize(msg, peer):
+        return None if msg.sender != "mallory" else "mallory may not send heartbeats"
+
+    async with Server(tcp_address, {Kind.HEARTBEAT: heartbeat}, job_token="t" * 32, authorize=authorize) as srv:
+        for token in ("", "u" * 32):
+            async with Client(srv.address, name="stranger", job_token=token, timeout_s=5) as c:
+                with pytest.raises(RemoteError) as info:
+                    await c.request(Heartbeat())
+            assert info.value.code == "unauthorized" and "'stranger'" in info.value.remote_message
+            assert "t" * 32 not in info.value.remote_message and "u" * 32 not in info.value.remote_message
+        async with Client(srv.address, name="mallory", job_token="t" * 32, timeout_s=5) as c:
+            with pytest.raises(RemoteError) as info:
+                await c.request(Heartbeat())
+        assert info.value.code == "unauthorized" and info.value.remote_message == "mallory may not send heartbeats"
+        async with Client(srv.address, name="w", job_token="t" * 32, timeout_s=5) as c:
+            reply = await c.request(Heartbeat())
+            assert reply.detail == "w" and reply.job_token == ""  # replies never carry the token
+        assert called == ["w"] and srv.stats["unauthorized"] == 3
+    async with Server(tcp_address, {Kind.HEARTBEAT: heartbeat}) as open_srv:  # no token: open
+        async with Client(open_srv.address, name="any", job_token="x", timeout_s=5) as c:
+            assert (await c.request(Heartbeat())).detail == "any"
+
+
+async def test_an_ipc_address_a_live_server_holds_is_in_use(ipc_address):
+    """Binding an ipc:// path a live server holds fails EADDRINUSE (its peers are not taken over); a stale file
+    left behind is replaced."""
+    async with Server(ipc_address, {}, name="first") as first:
+        with pytest.raises(zmq.ZMQError) as info:
+            await Server(ipc_address, {}, name="second").start()
+        assert info.value.errno == zmq.EADDRINUSE and first.reading
+    pathlib.Path(ipc_address.removeprefix("ipc://")).touch()  # a stale socket file
+    async with Server(ipc_address, {Kind.TENSORS: echo}, name="again") as srv, Client(srv.address) as client:
+        assert isinstance(await client.request(Tensors(name="x", tensors=())), Tensors)

@@ -163,14 +163,19 @@ class Ring:
     all-reduces a member runs without waiting for the others, e.g. one step's buckets). Every member must use the
     same ``piece_bytes`` and ``small_bytes``. ``stage``: run the algorithm on a host copy of the
     tensor (None: for tensors not on the CPU, i.e. CUDA; True also for CPU tensors, which tests use).
+    ``job_token`` and ``security`` go to the clients to the other members (hmp.transport.endpoint.Client;
+    None: the process's, which a daemon sets: docs/protocol.md, "Trust").
     """
 
     def __init__(self, *, rank: int, addresses: Sequence[str], generation: int, name: str = "ring",
                  limits: Limits = DEFAULT_LIMITS, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  small_bytes: int = DEFAULT_SMALL_BYTES, timeout_s: float = 60.0, window: int | None = None,
                  max_ops_ahead: int = 32, frame_bytes: int = DEFAULT_FRAME_BYTES, stage: bool | None = None,
-                 ctx: Any = None) -> None:
+                 ctx: Any = None, job_token: str | None = None, security: Any = None) -> None:
         addresses = tuple(addresses)
+        # The members' clients speak for the job: its token and CURVE keys (None: the process's, see
+        # hmp.transport.endpoint.set_process_job_token and hmp.transport.security).
+        self._client_trust = {"job_token": job_token, "security": security}
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses must be a non-empty sequence of server addresses, got {addresses!r}")
         if not 0 <= rank < len(addresses):
@@ -217,7 +222,7 @@ class Ring:
                 continue
             # The request timeout is a backstop: the progress watchdog (timeout_s) fires first.
             client = Client(address, name=f"{self.name}->{m}", limits=self.limits, frame_bytes=self.frame_bytes,
-                            timeout_s=2 * self.timeout_s, ctx=self.ctx)
+                            timeout_s=2 * self.timeout_s, ctx=self.ctx, **self._client_trust)
             await client.connect()
             self._clients[m] = client
 

@@ -468,10 +468,16 @@ def _validate_ranges(cfg: Config) -> None:
                 "limits.queue_bytes": cfg.limits.queue_bytes,
                 "limits.max_inflight_requests": cfg.limits.max_inflight_requests,
                 "job.heartbeat_interval_s": cfg.job.heartbeat_interval_s, "job.join_timeout_s": cfg.job.join_timeout_s,
-                "train.max_seconds": cfg.train.max_seconds}
+                "train.max_seconds": cfg.train.max_seconds,
+                "security.handshake_timeout_s": cfg.security.handshake_timeout_s}
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(p, key, f"a number > 0, got {value!r}")
+    for key, value, off in (("ps.checkpoint_every", cfg.ps.checkpoint_every, "by time only"),
+                            ("ps.checkpoint_every_s", cfg.ps.checkpoint_every_s, "by updates only")):
+        if value < 0:
+            raise ConfigError(p, key, f"a number >= 0 (0: {off}), got {value!r}")
+    _validate_resilience(cfg)
     shm = cfg.shm
     for key, value, low in (("shm.min_bytes", shm.min_bytes, 0), ("shm.reply_pool_bytes", shm.reply_pool_bytes, 0),
                             ("shm.segment_bytes", shm.segment_bytes, 4096)):
@@ -498,6 +504,25 @@ def _validate_ranges(cfg: Config) -> None:
                 if not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
                     raise ConfigError(p, f"nodes[{i}].{key}", f"tcp://HOST:PORT with a port in 0-65535 or *, "
                                                               f"got {address!r}")
+
+
+def _validate_resilience(cfg: Config) -> None:
+    """[train] min_workers, [job] restarts and token: counts in range, roles that exist."""
+    p = cfg.path
+    workers = len(cfg.workers)
+    if not 1 <= cfg.train.min_workers <= max(workers, 1):
+        raise ConfigError(p, "train.min_workers", f"an integer from 1 to the topology's {workers} worker(s) (the job "
+                                                  f"fails once fewer are live), got {cfg.train.min_workers!r}")
+    for role, count in cfg.job.restarts.items():
+        if role not in tuple(Role):
+            raise ConfigError(p, f"job.restarts.{role}", f"a role, one of {[str(r) for r in Role]}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ConfigError(p, f"job.restarts.{role}", f"an integer >= 0 (restarts of each {role} daemon), "
+                                                         f"got {count!r}")
+    token = cfg.job.token
+    if len(token) > 256 or not token.isprintable():
+        raise ConfigError(p, "job.token", f"at most 256 printable characters, got {len(token)} "
+                                          f"{'characters' if token.isprintable() else 'with a control character'}")
 
 
 def _validate_allreduce(cfg: Config) -> None:

@@ -220,6 +220,9 @@ def topology(spec: JobSpec, *, job_name: str, placement: Mapping[str, int], port
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.raw.items()}
     raw.setdefault("job", {})
     raw["job"].update(name=job_name, report_dir=str(report_dir))
+    # The job accepts no fewer workers than it asked for: below that, losing a worker fails it (else the
+    # ring re-forms from the survivors and it goes on).
+    raw.setdefault("train", {}).setdefault("min_workers", min(spec.min_workers, sum(placement.values())))
     for section, keys in (extra or {}).items():
         raw.setdefault(section, {}).update(keys)
     raw["nodes"] = _nodes([(h, n) for h, n in placement.items()], port)

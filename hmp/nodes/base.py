@@ -33,14 +33,41 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import structlog
+import zmq
 
 from hmp.config import Config, NodeConfig
-from hmp.errors import HmpError, RemoteError, RequestTimeout
+from hmp.errors import ConfigError, HmpError, RemoteError, RequestTimeout
 from hmp.messages import Ack, Heartbeat, Join, Kind, Leave, Message, Shutdown, Status, Welcome
 from hmp.transport.codec import Limits
-from hmp.transport.endpoint import Client, Handler, Server
+from hmp.transport import security
+from hmp.transport.endpoint import Client, Handler, Server, set_process_job_token
 
 T = TypeVar("T")
+
+#: The sender id of the local launcher (``hmp.cluster.LocalCluster``, ``hmp-launch``): it may ask
+#: for a node's status and shut it down.
+LAUNCHER = "launcher"
+
+#: Who may send each control kind (docs/protocol.md, "Trust"), checked by :meth:`Node.authorize`
+#: for every message before its handler runs: ``scheduler`` (the scheduler's node id),
+#: ``launcher`` (:data:`LAUNCHER`), ``member`` (any node id of the topology). Kinds not listed
+#: (data: push, pull, init, ring pieces, activations; shared-memory handshakes) are open to any
+#: holder of the job token, e.g. a client outside the topology reading parameters.
+SENDERS: dict[Kind, frozenset[str]] = {
+    Kind.SHUTDOWN: frozenset({"scheduler", "launcher"}),
+    Kind.ASSIGN: frozenset({"scheduler"}),
+    Kind.STAGE_ASSIGN: frozenset({"scheduler"}),
+    Kind.RING_ASSIGN: frozenset({"scheduler"}),
+    Kind.DROP: frozenset({"scheduler"}),
+    Kind.JOIN: frozenset({"member"}),
+    Kind.HEARTBEAT: frozenset({"member"}),
+    # A leave is always the sender's own (it names nobody else). To the scheduler only a member leaves the
+    # job; to a shard any token holder may say it is done (an API client, hmp.client.PSClient.leave).
+    Kind.LEAVE: frozenset({"member"}),
+    Kind.REPORT: frozenset({"member"}),
+    Kind.WORK: frozenset({"member"}),
+    Kind.STATUS: frozenset({"member", "launcher"}),
+}
 
 
 class Node:
@@ -52,6 +79,7 @@ class Node:
         self.cfg = cfg
         self.node: NodeConfig = cfg.node(node_id)
         self.id = node_id
+        self._member_ids = frozenset(n.id for n in cfg.nodes)  # who may join, heartbeat, report (SENDERS)
         self.limits = Limits.of(cfg.limits)
         self.log = structlog.get_logger("hmp").bind(role=self.node.role, node_id=node_id)
         self.stopping = asyncio.Event()
@@ -86,10 +114,33 @@ class Node:
         self.stopping.set()
         return Ack(detail="stopping")
 
+    # ---------------------------------------------------------------- trust
+    def authorize(self, msg: Message, peer: bytes) -> str | None:
+        """Whether ``msg``'s sender may send its kind (:data:`SENDERS`): None, or why not. The server
+        asks this for every message, before any handler (the job token is checked before this).
+
+        The sender id is what the message says: with CURVE on, the server has already bound it to
+        the sender's key (docs/security.md); without, anyone holding the job token may claim any id.
+        """
+        allowed = SENDERS.get(msg.kind)
+        if allowed is None or (msg.kind == Kind.LEAVE and self.id != self.cfg.scheduler.id):
+            return None
+        sender = msg.sender
+        if "scheduler" in allowed and sender == self.cfg.scheduler.id:
+            return None
+        if "launcher" in allowed and sender == LAUNCHER:
+            return None
+        if "member" in allowed and sender in self._member_ids:
+            return None
+        who = " or ".join(sorted({"scheduler": f"the scheduler ({self.cfg.scheduler.id!r})",
+                                  "launcher": f"the launcher ({LAUNCHER!r})",
+                                  "member": "a node of this topology"}[a] for a in allowed))
+        return f"{self.id} refuses {msg.kind.value!r} from {sender or '?'!r}: only {who} may send it"
+
     # ---------------------------------------------------------------- plumbing
     def client(self, address: str, name: str | None = None) -> Client:
         return Client(address, name=name or self.id, limits=self.limits, frame_bytes=self.cfg.limits.frame_bytes,
-                      timeout_s=self.cfg.limits.request_timeout_s)
+                      timeout_s=self.cfg.limits.request_timeout_s, job_token=self.cfg.job.token)
 
     @property
     def advertised(self) -> str:
@@ -119,6 +170,13 @@ class Node:
                 if time.monotonic() > deadline:
                     raise
                 continue
+            except RemoteError as exc:
+                if exc.code != "unauthorized":
+                    raise
+                # Another job's scheduler on this address (its token differs): retrying cannot help,
+                # and this node must not linger near a job that is not its own.
+                raise HmpError(f"{self.id}: the scheduler at {self.scheduler.address} refused the join: "
+                               f"{exc.remote_message}. Is another job using these ports?") from None
             if isinstance(reply, Shutdown):
                 raise HmpError(f"scheduler refused to admit {self.id}: {reply.reason}")
             assert isinstance(reply, Welcome)
@@ -223,10 +281,33 @@ class Node:
             loop.add_signal_handler(sig, self._on_signal, sig)
         for sig in list(pending_signals or ()):
             self._on_signal(sig)
+        # Every endpoint this process opens, whichever module opens it, speaks for this job (its token, and
+        # with [security] curve its keys: hmp.transport.security).
+        try:
+            curve = security.from_config(self.cfg, self.id)
+        except HmpError:
+            self._compute_pool.shutdown(wait=False)
+            raise
+        set_process_job_token(self.cfg.job.token)
+        security.set_process_security(curve)
         self.server = Server(self.node.bind, self.handlers(), name=self.id, limits=self.limits,
-                             frame_bytes=self.cfg.limits.frame_bytes)
-        await self.server.start()
-        self.log.info("serving", address=self.server.address, pid=os.getpid())
+                             frame_bytes=self.cfg.limits.frame_bytes, job_token=self.cfg.job.token,
+                             authorize=self.authorize)
+        try:
+            await self.server.start()
+        except zmq.ZMQError as exc:
+            self.server = None
+            set_process_job_token("")
+            security.set_process_security(None)
+            self._compute_pool.shutdown(wait=False)
+            if exc.errno == zmq.EADDRINUSE:
+                raise ConfigError(self.cfg.path, f"nodes[id={self.id}].bind",
+                                  f"an address free to bind: {self.node.bind} is already in use (another job or "
+                                  f"process listens there; stop it or choose another port)") from None
+            raise ConfigError(self.cfg.path, f"nodes[id={self.id}].bind",
+                              f"an address this host can bind: {self.node.bind}: {exc}") from None
+        self.log.info("serving", address=self.server.address, pid=os.getpid(), curve=curve is not None,
+                      token=bool(self.cfg.job.token))
         try:
             async with asyncio.TaskGroup() as group:
                 self._task_group = group
@@ -236,6 +317,8 @@ class Node:
         finally:
             self._task_group = self._main_task = None
             await self.shutdown()
+            set_process_job_token("")
+            security.set_process_security(None)
         self.log.info("stopped", failed=self.failed)
         return 1 if self.failed else 0
 

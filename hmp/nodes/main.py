@@ -45,6 +45,9 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         if node_cfg.role != role:
             raise ConfigError(cfg.path, f"nodes[id={args.id}].role", f"role {role!r} for hmp-{role}, "
                                                                     f"found {node_cfg.role!r}")
+        from hmp.transport.security import from_config
+
+        from_config(cfg, args.id)  # key files ([security] curve): checked before anything starts
     except ConfigError as exc:
         print(f"hmp-{role}: config error: {exc}", file=sys.stderr)
         return 2
@@ -80,6 +83,9 @@ def _run(role: str, argv: list[str] | None = None) -> int:
 
     try:
         return uvloop.run(go())
+    except ConfigError as exc:  # found only once running, e.g. a bind address another process holds
+        print(f"hmp-{role} {args.id}: config error: {exc}", file=sys.stderr)
+        return 2
     except HmpError as exc:
         print(f"hmp-{role} {args.id}: {exc}", file=sys.stderr)
         return 1

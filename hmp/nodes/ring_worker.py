@@ -16,6 +16,10 @@ bit-identical. Stopping is agreed: a worker asked to stop (the scheduler's repor
 signal, the epochs used up) votes in a step's control all-reduce, and every member stops after
 that same step.
 
+A worker that joins a running job (restarted by the launcher, or back after it left) is welcomed
+into a new ring generation that includes it; the members get a ``ring_assign`` as below, and the
+joiner resyncs with them before its first step, taking the most advanced member's state.
+
 A lost member: the scheduler re-forms the ring from the survivors and sends each a
 ``ring_assign``; the step in flight fails (``RingBroken``: the abort, or the collective timeout
 ``[collective] timeout_s``) and is dropped. The survivors then *resync* over the new ring: they
@@ -164,6 +168,8 @@ class RingWorkerNode(WorkerNode):
                 await self.ring.close()
                 self.ring = None
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
+            if self._stop_waiter is not None:
+                self._stop_waiter.cancel()
 
     def ring_metrics(self) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0) if self.t_train0 else 1e-9
@@ -174,9 +180,18 @@ class RingWorkerNode(WorkerNode):
                 "bytes_out": self.bytes_out + (ring.stats["bytes_sent"] if ring else 0.0)}
 
     async def send_ring_report(self, done: bool = False) -> None:
+        """Report progress; like :meth:`WorkerNode.send_report`, a progress report gives way to a stop and
+        the final one, sent while stopping, waits for a dead scheduler only briefly."""
         assert self.scheduler is not None
+        timeout = 2.0 if self.stopping.is_set() else 10.0
         try:
-            reply = await self.scheduler.request(Report(metrics=self.ring_metrics(), done=done), timeout_s=10)
+            request = asyncio.ensure_future(
+                self.scheduler.request(Report(metrics=self.ring_metrics(), done=done), timeout_s=timeout))
+            if done:
+                await asyncio.wait({request})
+            elif not await self.unless_stopped(request):
+                return
+            reply = request.result()
         except HmpError as exc:
             self.log.warning("report_failed", error=str(exc))
             return
@@ -217,6 +232,14 @@ class RingWorkerNode(WorkerNode):
                       members=len(self.ring.addresses) if self.ring else 0, device=str(self.device))
         loss_avg = None
         ring_op = 0  # op numbers restart with each ring generation
+        if self.ring is not None and self.ring.generation > 1:
+            # Welcomed into a ring formed after the job began (this worker restarted, or came back):
+            # its members resync on it first, and this one, at step 0, takes the most advanced state.
+            try:
+                ring_op = await self.resync(self.ring, flat, optimizers)
+            except RingError as exc:
+                self.log.warning("resync_failed", generation=self.ring.generation, error=str(exc))
+                ring_op = await self.rejoin_ring(flat, optimizers)
         # Per-step wall time (compute, all-reduce, update; not evaluation or reports), for the job manager's
         # measured iteration time: the first step is left out (it connects the ring and warms up).
         timed_s, timed_steps = 0.0, 0

@@ -3,11 +3,14 @@
 Each handler decodes a request, calls the core's method of the same name with the clock, and
 turns the decision into the reply; the events the call produced are logged, forwarded to the
 placement loop (pipeline jobs) and set the shell's asyncio events (:meth:`_dispatch_events`).
-The monitor, a background task, ticks the core every half heartbeat interval (liveness, join
+The monitor, a background task, ticks the core every tenth of a heartbeat interval (liveness, join
 deadline); the placement loop (pipeline jobs) is another. When every worker has finished, the
 shell evaluates the final parameters (pulled from the shards), writes the run report and lets
-every node hear ``shutdown`` through its heartbeat. A lost node (see the core's rules) fails the
-job: every node is told to shut down and the scheduler exits non-zero.
+every node hear ``shutdown`` through its heartbeat. A lost shard, or losing more workers than
+``[train] min_workers`` allows (see the core's rules), fails the job: every node is told to shut
+down and the scheduler exits non-zero. A worker that is gone while the job runs is dropped: every
+PS shard hears ``drop`` (:meth:`tell_shards_drop`) so that its sync rounds and SSP bounds stop
+waiting for it (docs/architecture.md, "Elastic workers").
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
 from hmp.errors import HmpError
-from hmp.messages import (Ack, Assign, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign, Shutdown, StageAssign,
-                          Welcome, Work)
+from hmp.messages import (Ack, Assign, Drop, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign, Shutdown,
+                          StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import write_report
 from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, RingFormed, SchedulerCore,
-                                ShardsReady, StopDecided, WorkersDone)
-from hmp.scheduler.membership import CONNECTED, MemberState
+                                ShardsReady, StopDecided, WorkerDropped, WorkersDone)
+from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
 from hmp.transport.endpoint import Client
 
 
@@ -51,6 +54,7 @@ class SchedulerNode(Node):
         self.placement: PlacementLoop | None = (PlacementLoop(cfg, self.dataset, self.core, self.tell_worker, self.log)
                                                 if cfg.placement.enabled else None)
         self.worker_clients: dict[str, Client] = {}
+        self.shard_clients: dict[str, Client] = {}  # for drop messages
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
@@ -72,6 +76,10 @@ class SchedulerNode(Node):
                     self.admitting.set()  # the welcomes carry it
                 else:
                     self.spawn(self.tell_ring(ev), name=f"ring-{ev.generation}")
+            elif isinstance(ev, WorkerDropped):
+                self.log.warning("worker_dropped", worker=ev.node, reason=ev.reason)
+                if self.cfg.shards:
+                    self._spawn_quietly(self.tell_shards_drop(ev), name=f"drop-{ev.node}")
             elif isinstance(ev, WorkersDone):
                 self.workers_done.set()
             elif isinstance(ev, StopDecided):
@@ -180,6 +188,34 @@ class SchedulerNode(Node):
             await c.connect()
         return c
 
+    def _spawn_quietly(self, coro: Any, name: str) -> None:
+        """A background task, unless the node is not running (any more): then it is not needed."""
+        try:
+            self.spawn(coro, name=name)
+        except RuntimeError:
+            pass
+
+    async def tell_shards_drop(self, ev: WorkerDropped) -> None:
+        """Tell every PS shard that worker ``ev.node`` is gone (all at once). Failing to reach a shard
+        is logged, not fatal: a shard that is itself gone is the liveness rules' business."""
+        async def tell(shard_id: str) -> None:
+            address = self.core.membership[shard_id].address
+            if not address:
+                return
+            c = self.shard_clients.get(shard_id)
+            try:
+                if c is None or c.address != address:
+                    if c is not None:
+                        await c.close()
+                    c = self.shard_clients[shard_id] = self.client(address)
+                    await c.connect()
+                await c.request(Drop(node=ev.node, reason=ev.reason),
+                                timeout_s=max(1.0, 3 * self.cfg.job.heartbeat_interval_s))
+            except HmpError as exc:
+                self.log.warning("drop_failed", shard=shard_id, worker=ev.node, error=str(exc))
+
+        await asyncio.gather(*(tell(s) for s in self.core.shard_ids))
+
     async def tell_worker(self, worker_id: str, msg: StageAssign | RingAssign) -> None:
         await (await self.worker_client(worker_id)).request(msg, timeout_s=10)
 
@@ -197,15 +233,15 @@ class SchedulerNode(Node):
 
     # ---------------------------------------------------------------- loops
     async def monitor(self) -> None:
-        """Tick the core every half heartbeat interval until the job is over or has failed. It does
-        not raise: if ticking breaks, the job cannot be judged any more, which fails it with the cause."""
+        """Tick the core every tenth of a heartbeat interval (``membership.TICK``) until the job is over or has
+        failed. It does not raise: if ticking breaks, the job cannot be judged any more, which fails it with the cause."""
         interval = self.cfg.job.heartbeat_interval_s
         try:
             self.core.start(time.monotonic())
             while not self.core.over and not self.core.failed:
                 self.core.tick(time.monotonic())
                 self._dispatch_events()
-                await asyncio.sleep(interval / 2)
+                await asyncio.sleep(interval * TICK)
         except Exception as exc:
             self.log.exception("monitor_failed")
             self.core.fail(f"scheduler monitor failed: {exc.__class__.__name__}: {exc}")
@@ -219,7 +255,7 @@ class SchedulerNode(Node):
         try:
             await self.run_job()
         finally:
-            for c in self.worker_clients.values():
+            for c in [*self.worker_clients.values(), *self.shard_clients.values()]:
                 await c.close()
 
     async def run_job(self) -> None:
@@ -276,8 +312,12 @@ class SchedulerNode(Node):
 
     async def drain(self) -> None:
         """Let every connected node hear 'shutdown' through its heartbeat, then stop (bounded)."""
-        deadline = time.monotonic() + 3 * self.cfg.job.heartbeat_interval_s + 5.0
+        interval = self.cfg.job.heartbeat_interval_s
+        deadline = time.monotonic() + 3 * interval + 5.0
         while time.monotonic() < deadline:
-            if not self.core.membership.ids(CONNECTED):
+            # A member silent for the loss bound (dead, frozen) will not hear it: not waited for.
+            now = time.monotonic()
+            if not [m for m in self.core.membership if m.state in CONNECTED
+                    and now - m.last_seen <= LOST_AFTER * interval]:
                 break
             await asyncio.sleep(0.05)

@@ -9,6 +9,12 @@ Forward/backward, evaluation and building the model run on the node's compute th
 (``Node.in_thread``), so a step or an evaluation that outlasts several heartbeat intervals does
 not silence the node: the event loop keeps heartbeating meanwhile. The loop and the compute
 thread take turns on the model (every call is awaited before the next step touches it).
+
+Every request that can block on a peer (a push to a frozen or dead shard, a sync round or SSP
+bound that waits on other workers, a report or a work request to a dead scheduler) is raced
+against ``stopping`` (:meth:`WorkerNode.unless_stopped`): SIGTERM or the scheduler's stop ends
+it at once instead of after the request timeout, and the goodbyes that follow are bounded by a
+short timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch.nn import functional as F
 from hmp.client import PSClient
 from hmp.train.evaluate import evaluate, evaluate_sweep
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
-from hmp.config import BatchPolicyKind, Config, Consistency, Role
+from hmp.config import BatchPolicyKind, Config, Role
 from hmp.data import ShuffledBatches
 from hmp.ema import ema
 from hmp import job
@@ -53,6 +59,7 @@ class WorkerNode(Node):
         self.metrics: dict[str, float] = {"samples": 0, "updates": 0, "loss": float("nan"), "epoch": 0}
         self.busy_s = 0.0
         self.t_train0 = 0.0
+        self._stop_waiter: asyncio.Future | None = None  # one task for every race against `stopping`
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
@@ -71,7 +78,10 @@ class WorkerNode(Node):
                       timeout_s=self.cfg.limits.request_timeout_s)
         await ps.connect()
         try:
-            await ps.pull()
+            pull = asyncio.ensure_future(ps.pull())
+            if not await self.unless_stopped(pull):
+                return
+            pull.result()
             await self.train(ps, data, int(info["worker_index"]), int(info["num_workers"]))
         except Exception as exc:
             self.failed = f"{exc.__class__.__name__}: {exc}"
@@ -79,34 +89,41 @@ class WorkerNode(Node):
         finally:
             if not self.failed:
                 await self.send_report(ps, done=True)
-            await ps.leave(self.failed or "done")
+            # Stopped (SIGTERM, the scheduler's stop): a frozen shard is not waited for long.
+            await ps.leave(self.failed or "done", timeout_s=1.0 if self.stopping.is_set() else 5.0)
             await ps.close()
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
+            if self._stop_waiter is not None:
+                self._stop_waiter.cancel()
+
+    async def unless_stopped(self, request: asyncio.Future) -> bool:
+        """Wait for ``request`` (a task) unless the node stops first: True when it finished (its
+        ``result()`` is then the caller's to read, raising what it raised); False when ``stopping``
+        was set first, in which case it is cancelled (and waited for: the cancellation has reached
+        it when this returns)."""
+        if self._stop_waiter is None or self._stop_waiter.done():
+            self._stop_waiter = asyncio.ensure_future(self.stopping.wait())
+        if not request.done():
+            await asyncio.wait({request, self._stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if request.done():
+            return True
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+        return False
 
     async def push_unless_stopped(self, ps: PSClient, samples: int) -> bool:
         """Push the gradient buffer; False when the node was told to stop first.
 
-        A sync round (or an SSP wait) can block a push until the request timeout when another
-        worker dies: the job is then over, and this worker must hear the scheduler's shutdown
-        rather than wait out the timeout. Asynchronous pushes never wait on other workers and
-        go straight through (no extra tasks on the hot path).
+        A push can block until the request timeout: a sync round or an SSP bound waits on other
+        workers, and any push waits on a frozen or dead shard. SIGTERM or the scheduler's stop
+        must end it at once rather than after the timeout, so every push is raced against
+        ``stopping`` (one task per push, besides the client's own per shard).
         """
         if self.stopping.is_set():
             return False
         try:
-            if self.cfg.train.consistency == Consistency.ASYNC:
-                await ps.push(samples=samples)
-                return True
             push = asyncio.ensure_future(ps.push(samples=samples))
-            stop = asyncio.ensure_future(self.stopping.wait())
-            try:
-                await asyncio.wait({push, stop}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stop.cancel()
-                if not push.done():
-                    push.cancel()
-                await asyncio.gather(push, stop, return_exceptions=True)
-            if push.cancelled():
+            if not await self.unless_stopped(push):
                 self.log.info("push_abandoned", reason="stopping")
                 return False
             push.result()  # raises what the push raised
@@ -126,9 +143,18 @@ class WorkerNode(Node):
                 "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
 
     async def send_report(self, ps: PSClient, done: bool = False) -> None:
+        """Report progress (``done``: the final report); a progress report gives way to a stop, and
+        the final one, sent while stopping, waits for a dead scheduler only briefly."""
         assert self.scheduler is not None
+        timeout = 2.0 if self.stopping.is_set() else 10.0
         try:
-            reply = await self.scheduler.request(Report(metrics=self.current_metrics(ps), done=done), timeout_s=10)
+            request = asyncio.ensure_future(
+                self.scheduler.request(Report(metrics=self.current_metrics(ps), done=done), timeout_s=timeout))
+            if done:
+                await asyncio.wait({request})
+            elif not await self.unless_stopped(request):
+                return
+            reply = request.result()
         except HmpError as exc:
             self.log.warning("report_failed", error=str(exc))
             return
@@ -163,7 +189,10 @@ class WorkerNode(Node):
         assert self.scheduler is not None
         order = ShuffledBatches(n, seed=self.cfg.data.seed)  # the same on every worker
         while True:
-            unit = await self.scheduler.request(Work(count=self.batch_size * t.work_unit_batches))
+            request = asyncio.ensure_future(self.scheduler.request(Work(count=self.batch_size * t.work_unit_batches)))
+            if not await self.unless_stopped(request):
+                return
+            unit = request.result()
             assert isinstance(unit, Work)
             if unit.count == 0:
                 return

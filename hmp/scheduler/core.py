@@ -17,19 +17,29 @@ Events in (methods), decisions out (return values):
 * ``work(sender, count, now)`` -> :class:`WorkRange`: the next examples of the current epoch,
   first come first served (count 0: the epochs are used up, or the job is stopping).
 * ``leave(sender, reason, now)``; ``tick(now)`` (the liveness and join-deadline rules, called
-  every half heartbeat interval); ``request_stop(reason, now)`` (an outside stop rule, e.g. the
+  every tenth of a heartbeat interval); ``request_stop(reason, now)`` (an outside stop rule, e.g. the
   pipeline's epochs are done); ``fail(reason)``; ``interrupt()``; ``end()``.
 
 Events out (:meth:`SchedulerCore.take_events`): :class:`MemberChanged` (every state change;
 ``roster`` marks the changes to the set of workers available for work, which the placement loop
-re-plans on), :class:`ShardsReady`, :class:`WorkersDone`, :class:`StopDecided`, :class:`JobFailed`.
+re-plans on), :class:`ShardsReady`, :class:`RingFormed`, :class:`WorkerDropped`, :class:`WorkersDone`,
+:class:`StopDecided`, :class:`JobFailed`.
 
 Membership (:mod:`hmp.scheduler.membership`) is a state machine: EXPECTED -> (JOINING ->) LIVE;
 LIVE -> SUSPECT after 2 silent heartbeat intervals, back to LIVE when heard from; LIVE, SUSPECT or
-DONE -> LOST after 3; LIVE -> DONE on a worker's final report; any -> LEFT on ``leave``. A lost
-node fails the job, except a worker of a pipeline job (``tolerate_worker_loss``: the placement loop
-re-plans without it, and it comes back LIVE when heard from again). A node still EXPECTED or
-JOINING ``join_timeout_s`` after :meth:`SchedulerCore.start` fails the job.
+DONE -> LOST after 2.8 (checked every 0.1 interval: at most 2.9 intervals after its last message);
+LIVE -> DONE on a worker's final report; any -> LEFT on ``leave``. A lost
+PS shard fails the job. A worker that is lost, fails or leaves before it is done does not
+(``tolerate_worker_loss``, the default; docs/architecture.md, "Elastic workers"): it is dropped
+(:class:`WorkerDropped`: the shell tells every PS shard, so that sync rounds and SSP bounds stop
+waiting for it), the work ranges it held go back to the queue, an allreduce ring re-forms without
+it, and the job fails only when fewer than ``[train] min_workers`` workers remain (live, joining,
+done, or expected back: lost or failed while ``[job] restarts`` allows its role another restart,
+until ``join_timeout_s`` passes). A dropped worker may come back: heard from again (PS and
+pipeline jobs) or joining again (a restarted process; in an allreduce job the ring re-forms with
+it). The report's ``membership`` lists who was lost, left, failed, rejoined or restarted, and when;
+``work_redone`` the examples handed out again. A node still EXPECTED or JOINING ``join_timeout_s`` after
+:meth:`SchedulerCore.start` fails the job.
 
 Stop rules, judged on each progress report: ``[train] target_accuracy`` (the best reported test
 accuracy), ``target_loss`` (the best reported test loss), ``max_seconds`` (since the first worker
@@ -120,6 +130,16 @@ class RingFormed:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerDropped:
+    """Worker ``node`` is gone while the job runs (lost, failed, left early, or replaced by a new
+    process): the shell sends every PS shard a ``drop`` so that their sync rounds and SSP bounds
+    stop waiting for it."""
+
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkersDone:
     """Every worker is done or gone: the job may finish."""
 
@@ -139,14 +159,15 @@ class JobFailed:
     reason: str
 
 
-Event = MemberChanged | ShardsReady | RingFormed | WorkersDone | StopDecided | JobFailed
+Event = MemberChanged | ShardsReady | RingFormed | WorkerDropped | WorkersDone | StopDecided | JobFailed
 
 
 class SchedulerCore:
     """One job's scheduling state. ``n_train``: examples per epoch (the work cursor's range);
     ``policy``: the batch policy (default: built from ``[train] policy``); ``sharding``: the chunk
-    placement for the report; ``tolerate_worker_loss`` (default: ``[placement] enabled``): a lost
-    or failed worker does not fail the job."""
+    placement for the report; ``tolerate_worker_loss`` (default True): a lost or failed worker is
+    dropped and the job goes on while ``[train] min_workers`` remain (False: the first lost or
+    failed worker fails the job)."""
 
     def __init__(self, cfg: Config, n_train: int, policy: PolicyAdapter | None = None, *,
                  sharding: dict[str, Any] | None = None, tolerate_worker_loss: bool | None = None) -> None:
@@ -158,9 +179,12 @@ class SchedulerCore:
         self.shard_ids = [s.id for s in cfg.shards]
         self.policy: PolicyAdapter = policy if policy is not None else PolicyAdapter(cfg)
         self.allreduce = cfg.train.consistency == Consistency.ALLREDUCE
-        if tolerate_worker_loss is None:
-            tolerate_worker_loss = cfg.placement.enabled or self.allreduce
-        self.tolerate_worker_loss = tolerate_worker_loss
+        self.tolerate_worker_loss = True if tolerate_worker_loss is None else tolerate_worker_loss
+        self.min_workers = cfg.train.min_workers  # 1 .. the number of workers: the config loader checks it
+        # [job] restarts: a worker lost or failed while its role may still be restarted by the launcher
+        # counts as remaining until it rejoins or ``join_timeout_s`` passes (deadline by worker).
+        self.restarts_left = {w.id: int(cfg.job.restarts.get(w.role, 0)) for w in cfg.workers}
+        self.awaiting_restart: dict[str, float] = {}
         self.run_report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
                                     policy=cfg.train.policy)
         self.run_report.sharding = dict(sharding or {})
@@ -179,6 +203,11 @@ class SchedulerCore:
         # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
         self.work_epoch, self.work_cursor = 0, 0
         self.work_taken: dict[str, int] = {}
+        # Ranges handed out and not yet done, per worker ((epoch, start, count); a worker's next
+        # ``work`` request or final report marks its range done), and a lost worker's ranges,
+        # handed out again before the cursor advances.
+        self.work_outstanding: dict[str, tuple[int, int, int]] = {}
+        self.work_requeued: list[tuple[int, int, int]] = []
         self._events: list[Event] = []
 
     # ---------------------------------------------------------------- outputs
@@ -221,8 +250,47 @@ class SchedulerCore:
         if m.state == S.SUSPECT:
             self._move(m, S.LIVE, "heard from again")
         elif m.state == S.LOST and m.is_worker and self.tolerate_worker_loss and not self.over and not self.allreduce:
-            # A pipeline worker that was only stalled (a busy machine) is back: plan with it again.
+            # A worker that was only stalled (a busy machine, SIGSTOP) is back: it gets work (and,
+            # in a pipeline job, is planned with) again; the shards count it from its next push.
             self._move(m, S.LIVE, "back after being lost")
+            self._record(m.id, "rejoined", "heard from again after being lost", now)
+
+    def _record(self, node: str, event: str, why: str, now: float) -> None:
+        """One line of the report's membership history (``event``: lost, left, failed, rejoined, restarted)."""
+        self.run_report.membership.append({"node": node, "event": event, "t": round(self.elapsed(now), 3),
+                                           "why": why})
+
+    def _worker_gone(self, m: Member, event: str, why: str, now: float) -> None:
+        """Worker ``m`` stopped working before it was done (lost, failed, left early): drop it from
+        the shards' rounds, requeue its work, re-form the ring, and fail the job if too few remain."""
+        self._record(m.id, event, why, now)
+        self._requeue(m.id)
+        if not self.over:
+            self._events.append(WorkerDropped(m.id, f"{event}: {why}"))
+        self._reform_ring(m.id, why if event == "failed" else f"{event} ({why})")
+        if event != "left" and self.restarts_left.get(m.id, 0) > 0:
+            self.restarts_left[m.id] -= 1
+            self.awaiting_restart[m.id] = now + self.cfg.job.join_timeout_s
+        self._check_min_workers(f"after {m.id} {event} ({why})")
+        self._check_workers_done()
+
+    def _check_min_workers(self, after: str) -> None:
+        """Fail the job if fewer than ``min_workers`` workers remain: live, joining, done, or lost but
+        expected back from a restart."""
+        if self.stopping:
+            return
+        remaining = [w for w in self.worker_ids
+                     if self.membership[w].state in UP | {S.JOINING, S.DONE} or w in self.awaiting_restart]
+        if len(remaining) < self.min_workers:
+            who = ", ".join(remaining) or "none"
+            self.fail(f"only {len(remaining)} of {len(self.worker_ids)} workers remain ({who}) {after}; "
+                      f"[train] min_workers = {self.min_workers}")
+
+    def _requeue(self, worker: str) -> None:
+        """The work range ``worker`` held goes back to the queue (first-come-first-served jobs)."""
+        held = self.work_outstanding.pop(worker, None)
+        if held is not None and held[0] < self.cfg.train.epochs:
+            self.work_requeued.append(held)
 
     def check_worker(self, sender: str, kind: str, now: float) -> Member:
         """The sending member, which must be a worker (reports and work units are theirs alone)."""
@@ -274,6 +342,11 @@ class SchedulerCore:
             raise RequestError(f"{sender} joined as {role!r}; the config says {m.role!r}", "bad_role")
         if self.over:
             return Refused(self.end_reason)
+        rejoin = m.is_worker and m.state not in NOT_JOINED and (m.state not in CONNECTED or pid != m.pid)
+        if rejoin and self.allreduce and self.stopping:
+            return Refused(f"the job is stopping ({self.end_reason}); {sender} is not taken back into the ring")
+        if rejoin:
+            self._rejoin(m, pid, now)
         m.address, m.pid = address, pid
         if not m.is_worker:
             self._move(m, S.LIVE, "joined")
@@ -284,19 +357,33 @@ class SchedulerCore:
         # A worker is held until every shard has joined (its welcome lists them). It re-sends its
         # join every few seconds meanwhile; only the newest one is admitted, so that held joins do
         # not all wake at once (each would re-run the placement loop's membership hook).
-        if self.allreduce and self.ring_generation and sender not in self.ring_members:
-            return Refused(f"the ring of this allreduce job is formed without {sender} (generation "
-                           f"{self.ring_generation}); joining a running ring is not supported")
         m.joins += 1
         why = "join" if self.admitting else ("join held until every worker has joined (the ring forms then)"
                                              if self.allreduce else "join held until every shard has joined")
         self._move(m, S.JOINING, why)
+        if self.allreduce and self.ring_generation and (rejoin or sender not in self.ring_members):
+            # Joining a running ring (a restarted or returning worker): a new generation with it, in
+            # topology order; every member resyncs on it, so the joiner starts from their state.
+            members = set(self.ring_members) | {sender}
+            self._form_ring([w for w in self.worker_ids if w in members], f"{sender} joined")
         if self.allreduce and not self.ring_generation and all(
                 self.membership[w].state in (S.JOINING, *UP) for w in self.worker_ids):
             self._form_ring(self.worker_ids, "every worker has joined")
         if self.admitting:
             return self.admit(sender, m.joins, now)
         return Held(m.joins)
+
+    def _rejoin(self, m: Member, pid: int, now: float) -> None:
+        """Worker ``m``, seen before, joins again: a restarted process (new pid) or one that was lost
+        or left. A previous process not yet declared lost is replaced: its work goes back to the queue
+        and the shards drop it (the new one is counted from its first push)."""
+        self.awaiting_restart.pop(m.id, None)
+        restarted = bool(m.pid) and pid != m.pid
+        why = f"new process (pid {pid}, was {m.pid})" if restarted else f"joined again after being {m.state}"
+        if m.state in CONNECTED:
+            self._requeue(m.id)
+            self._events.append(WorkerDropped(m.id, f"replaced by a {why}"))
+        self._record(m.id, "restarted" if restarted else "rejoined", why, now)
 
     @property
     def admitting(self) -> bool:
@@ -367,6 +454,9 @@ class SchedulerCore:
         if test_loss is not None:
             self.best_test_loss = min(self.best_test_loss, test_loss)
         if done:
+            # A worker that ran out of work asked for more first, which marked its range done; one
+            # still holding a range was stopped in the middle of it (SIGTERM): it goes back to the queue.
+            self._requeue(m.id)
             self.run_report.finish_worker(m.id, metrics)
             self._check_workers_done()
             return Assignment(batch_size=0, stop=True)
@@ -386,41 +476,64 @@ class SchedulerCore:
         m = self.check_worker(sender, "work", now)
         if count < 1:
             raise RequestError(f"work count must be >= 1, got {count}", "bad_request")
-        if self.work_cursor >= self.n_train:
-            self.work_epoch, self.work_cursor = self.work_epoch + 1, 0
-        if self.work_epoch >= self.cfg.train.epochs or self.stopping:
+        self.work_outstanding.pop(m.id, None)  # asking for more: the previous range is done
+        if self.stopping:
             return WorkRange(count=0, epoch=self.work_epoch)
-        start = self.work_cursor
-        count = min(count, self.n_train - start)
-        self.work_cursor += count
-        self.work_taken[m.id] = self.work_taken.get(m.id, 0) + count
-        return WorkRange(count=count, epoch=self.work_epoch, start=start)
+        if self.work_requeued:  # a lost worker's ranges first, split to the size asked for
+            epoch, start, held = self.work_requeued.pop(0)
+            if held > count:
+                self.work_requeued.insert(0, (epoch, start + count, held - count))
+            given = min(count, held)
+            self.run_report.work_redone += given
+        else:
+            if self.work_cursor >= self.n_train:
+                self.work_epoch, self.work_cursor = self.work_epoch + 1, 0
+            if self.work_epoch >= self.cfg.train.epochs:
+                return WorkRange(count=0, epoch=self.work_epoch)
+            epoch, start = self.work_epoch, self.work_cursor
+            given = min(count, self.n_train - start)
+            self.work_cursor += given
+        self.work_taken[m.id] = self.work_taken.get(m.id, 0) + given
+        self.work_outstanding[m.id] = (epoch, start, given)
+        return WorkRange(count=given, epoch=epoch, start=start)
 
     def leave(self, sender: str, reason: str, now: float) -> None:
         m = self.membership.get(sender)
         m.last_seen = now
-        if m.is_worker and m.state not in (S.DONE, S.LEFT):
+        was = m.state
+        if m.is_worker and was not in (S.DONE, S.LEFT):
             self.run_report.finish_worker(m.id, {})  # counted with its last progress report
         self._move(m, S.LEFT, reason)
-        if reason.startswith("failed:") and not (m.is_worker and self.tolerate_worker_loss):
-            self.fail(f"node {m.id} ({m.role}) {reason}")
-        elif reason.startswith("failed:"):
-            self._reform_ring(m.id, reason)
+        failed = reason.startswith("failed:")
+        if not (m.is_worker and self.tolerate_worker_loss):
+            if failed:
+                self.fail(f"node {m.id} ({m.role}) {reason}")
+        elif failed or (was in UP | {S.JOINING} and not self.stopping and not self.over):
+            # Gone before it was done (a failure, or a leave while the job runs): as if lost.
+            self._worker_gone(m, "failed" if failed else "left", reason, now)
         self.policy.forget(m.id)
         self._check_workers_done()
 
     def tick(self, now: float) -> None:
-        """Liveness and the join deadline: silent members become suspect, then lost; a lost node
-        (but a pipeline job's worker) or one that did not join in time fails the job."""
+        """Liveness and the join deadline: silent members become suspect, then lost; a lost shard,
+        a lost worker that leaves fewer than ``min_workers``, or a node that did not join in time
+        fails the job."""
+        for w, deadline in list(self.awaiting_restart.items()):
+            if now > deadline:
+                del self.awaiting_restart[w]
+                self._check_min_workers(f"({w} was not restarted within {self.cfg.job.join_timeout_s} s)")
         for m in self.membership:
             silent = now - m.last_seen
             if m.state in CONNECTED and silent > LOST_AFTER * self.interval:
+                was_done = m.state == S.DONE
                 self._move(m, S.LOST, f"silent for {silent:.1f} s")
-                if m.is_worker and self.tolerate_worker_loss:
-                    self._reform_ring(m.id, f"lost (silent for {silent:.1f} s)")
+                if not (m.is_worker and self.tolerate_worker_loss):
+                    self.fail(f"node {m.id} ({m.role}) lost: silent for {silent:.1f} s")
+                elif was_done:  # its work was done; only its goodbye is missing
+                    self._record(m.id, "lost", f"silent for {silent:.1f} s after its final report", now)
                     self._check_workers_done()
                 else:
-                    self.fail(f"node {m.id} ({m.role}) lost: silent for {silent:.1f} s")
+                    self._worker_gone(m, "lost", f"silent for {silent:.1f} s", now)
             elif m.state == S.LIVE and silent > SUSPECT_AFTER * self.interval:
                 self._move(m, S.SUSPECT, f"silent for {silent:.1f} s")
             elif m.state in NOT_JOINED and self.join_deadline is not None and now > self.join_deadline:

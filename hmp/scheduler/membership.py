@@ -14,8 +14,9 @@ member is already in is not a transition: nothing changes and nothing is returne
     LIVE | SUSPECT | DONE --silent 3 intervals--> LOST
     LIVE --final report--> DONE
     any state --leave--> LEFT
-    LOST --heard from (pipeline jobs: a stalled worker)--> LIVE
-    LIVE | SUSPECT | DONE | LOST | LEFT --join again--> JOINING (worker) or LIVE (shard)
+    LOST --heard from (a stalled worker of a PS or pipeline job)--> LIVE
+    LIVE | SUSPECT | DONE | LOST | LEFT --join again--> JOINING (worker: a restarted process, or one
+                                                     back after it was lost or left) or LIVE (shard)
 
 Pure: no clock of its own (callers pass ``now``), no I/O.
 """
@@ -43,8 +44,10 @@ class MemberState(enum.StrEnum):
 
 
 S = MemberState
-#: Heartbeat intervals of silence after which a joined member is suspect, and lost.
-SUSPECT_AFTER, LOST_AFTER = 2, 3
+#: Heartbeat intervals of silence after which a joined member is suspect, and lost. The scheduler checks
+#: every TICK intervals, so a dead node is declared lost at most LOST_AFTER + TICK = 2.9 intervals after the
+#: last message it sent: within the 3 intervals the docs promise, however its death fell between heartbeats.
+SUSPECT_AFTER, LOST_AFTER, TICK = 2, 2.8, 0.1
 #: States in which a member counts as available (given work, planned with, a shard serving).
 UP = frozenset({S.LIVE, S.SUSPECT})
 #: States in which a member is expected to heartbeat (liveness applies; the scheduler's drain waits for them).

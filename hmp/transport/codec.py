@@ -80,14 +80,30 @@ MAX_RID = (1 << 64) - 1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds every decoded message must respect, and what an endpoint may hold (config ``[limits]``)."""
+    """Bounds every decoded message must respect, and what an endpoint may hold (config ``[limits]``).
+
+    The bounds on counts are also bounds on time: what a message costs to receive, decode or refuse
+    grows with its frames, tensor descriptors and header containers, not with its bytes (which are
+    copied at memory speed, or not at all). At the defaults no single message costs a daemon more
+    than a few milliseconds (``python bench/soak.py --costs`` measures the worst cases); ``encode(...,
+    limits=)`` refuses on the sender's side what a receiver with the same limits would refuse.
+    """
 
     max_frames: int = 4096  #: data frames per message
     max_message_bytes: int = 1 << 30  #: tensor bytes per message
     max_header_bytes: int = 1 << 20
-    max_tensors: int = 4096
+    #: tensor descriptors per message: 1 GiB (the default max_message_bytes) in 1 MiB chunks (the
+    #: default chunk size) is 1024; each costs a few microseconds to decode
+    max_tensors: int = 1024
     max_rank: int = 8
     max_string: int = 1 << 16  #: characters in any header string
+    #: maps and arrays in a header, counted while it is unpacked (each costs ~0.1-1 us, and a 1 MiB
+    #: header of empty arrays holds a million); None: 2 per tensor descriptor (a map and its shape)
+    #: plus 256
+    max_containers: int | None = None
+    #: nesting of the free-form (``Any``) values in ``fields``, e.g. ``tensors.meta``: deeper values
+    #: would make every later repr, log line or copy of them recurse that deep
+    max_depth: int = 32
     #: endpoints only (not the codec): queue memory per socket, peer and direction, which sizes the
     #: high-water marks (``endpoint.hwm_for``), and requests a server runs at once
     queue_bytes: int = 1 << 30
@@ -99,6 +115,11 @@ class Limits:
         return cls(max_frames=settings.max_frames, max_message_bytes=settings.max_message_bytes,
                    max_rank=settings.max_rank, queue_bytes=settings.queue_bytes,
                    max_inflight_requests=settings.max_inflight_requests)
+
+    @property
+    def container_limit(self) -> int:
+        """``max_containers``, or its default when None."""
+        return 2 * self.max_tensors + 256 if self.max_containers is None else self.max_containers
 
 
 DEFAULT_LIMITS = Limits()
@@ -119,7 +140,26 @@ class _Mismatch(Exception):
 Checker = Callable[[Any, Limits], Any]
 
 
+class _TooDeep(Exception):
+    """A free-form header value nested deeper than ``limits.max_depth`` (internal, like _Mismatch)."""
+
+
+_NESTED = (list, dict)
+
+
 def _any(value: Any, limits: Limits) -> Any:
+    # Breadth-first over the containers only: the header's container count (checked while it was
+    # unpacked) bounds this walk, and without recursion the check itself copes with any depth.
+    if type(value) not in _NESTED:
+        return value
+    level, depth = [value], 1
+    while level:
+        if depth > limits.max_depth:
+            raise _TooDeep(f"nested deeper than the limit of {limits.max_depth}")
+        inner = []
+        for v in level:
+            inner.extend(x for x in (v.values() if type(v) is dict else v) if type(x) in _NESTED)
+        level, depth = inner, depth + 1
     return value
 
 
@@ -293,13 +333,18 @@ Resolve = Callable[[str, int, int, int], Any]
 
 
 def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str | None = None,
-           rid: int | None = None, locate: Locate | None = None, job_token: str | None = None) -> list[Any]:
+           rid: int | None = None, locate: Locate | None = None, job_token: str | None = None,
+           limits: Limits | None = None) -> list[Any]:
     """Encode ``msg`` as ``[header, *tensor frames]`` without copying tensor payloads.
 
     ``sender``, ``rid`` and ``job_token``, when given, replace the message's own in the header (what
     ``msg.replace(sender=..., rid=...)`` would do, without building a new message). ``locate``,
     when given, is asked for each non-empty tensor: a ``[segment, offset, slot]`` it returns goes
     in the tensor's descriptor instead of frames (module docstring).
+
+    ``limits``, when given, are checked before anything is sent: a message a receiver with these
+    limits would refuse (tensor bytes, tensor count, rank, frame count, header size) raises
+    ``ProtocolError`` with code ``too_large`` naming the field and the limit.
     """
     if frame_bytes <= 0:
         raise ValueError("frame_bytes must be positive")
@@ -308,6 +353,7 @@ def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str 
     fields = {name: getattr(msg, name) for name in schema.scalars}
     descs: list[dict[str, Any]] = []
     frames: list[Any] = []
+    total = 0  # tensor bytes so far (counted only against limits)
     for spec in schema.tensor_fields:
         value = getattr(msg, spec.name)
         values = value if spec.many else (value,)
@@ -315,6 +361,8 @@ def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str 
             raise ProtocolError(f"{schema.wire}.{spec.name}: expected a sequence of tensors", "bad_field")
         for i, v in enumerate(values):
             t = _as_tensor(v, f"{schema.wire}.{spec.name}[{i}]")
+            if limits is not None:
+                total = _check_send_tensor(t, f"{schema.wire}.{spec.name}[{i}]", total, limits)
             if locate is not None and t.numel():
                 ref = locate(t)
                 if ref is not None:
@@ -331,7 +379,38 @@ def encode(msg: Message, frame_bytes: int = DEFAULT_FRAME_BYTES, *, sender: str 
     token = msg.job_token if job_token is None else job_token
     if token:
         header["job_token"] = token
-    return [_packers.packer.pack(header), *frames]
+    packed = _packers.packer.pack(header)
+    if limits is not None:
+        _check_send_counts(schema.wire, descs, len(frames), len(packed), frame_bytes, limits)
+    return [packed, *frames]
+
+
+def _check_send_tensor(t: torch.Tensor, where: str, total: int, limits: Limits) -> int:
+    """Refuse one tensor a receiver with ``limits`` would refuse; returns the message's bytes so far."""
+    if t.dim() > limits.max_rank:
+        raise ProtocolError(f"{where}: rank {t.dim()} exceeds the limit of {limits.max_rank} (limits.max_rank)",
+                            "too_large")
+    total += t.numel() * t.element_size()
+    if total > limits.max_message_bytes:
+        raise ProtocolError(f"{where}: the message's tensors reach {total} bytes, over the limit of "
+                            f"{limits.max_message_bytes} (limits.max_message_bytes); send them in several messages "
+                            "or raise the limit on both sides", "too_large")
+    return total
+
+
+def _check_send_counts(wire: str, descs: list[dict[str, Any]], nframes: int, header_bytes: int, frame_bytes: int,
+                       limits: Limits) -> None:
+    """Refuse a whole message a receiver with ``limits`` would refuse (counts and header size)."""
+    if len(descs) > limits.max_tensors:
+        raise ProtocolError(f"{wire}: {len(descs)} tensors exceed the limit of {limits.max_tensors} "
+                            "(limits.max_tensors)", "too_large")
+    if nframes > limits.max_frames:
+        raise ProtocolError(f"{wire}: {nframes} data frames of at most {frame_bytes} bytes exceed the limit of "
+                            f"{limits.max_frames} (limits.max_frames); raise frame_bytes or the limit",
+                            "too_large")
+    if header_bytes > limits.max_header_bytes:
+        raise ProtocolError(f"{wire}: a header of {header_bytes} bytes exceeds the limit of "
+                            f"{limits.max_header_bytes}", "too_large")
 
 
 def message_tensors(msg: Message) -> list[torch.Tensor]:
@@ -361,15 +440,41 @@ def _buffer(frame: Any) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+class _TooManyContainers(Exception):
+    """Raised by the unpacking hooks of :func:`decode_header` (internal)."""
+
+
+def _container_counter(limit: int) -> Callable[[Any], Any]:
+    """An msgpack ``list_hook``/``object_hook`` that aborts the unpacking after ``limit`` containers."""
+    left = limit
+
+    def count(container: Any) -> Any:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise _TooManyContainers
+        return container
+    return count
+
+
 def decode_header(frame0: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Parse and check frame 0's envelope (version, kind, sender, rid, fields, tensors types)."""
     raw = _buffer(frame0)
     if len(raw) > limits.max_header_bytes:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds the limit of {limits.max_header_bytes}", "too_large")
+    options = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=limits.max_header_bytes,
+                   max_str_len=limits.max_string, max_array_len=limits.max_tensors * 8 + 1024,
+                   max_map_len=limits.max_tensors + 1024)
+    containers = limits.container_limit
+    if len(raw) > containers:
+        # Each map or array takes at least one byte, so only a header longer than the limit can
+        # hold too many: count them as they are built (the hook costs ~0.2 us a container, paid
+        # by large headers only) and stop at the first one over.
+        options["list_hook"] = options["object_hook"] = _container_counter(containers)
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
-                                 max_bin_len=limits.max_header_bytes, max_str_len=limits.max_string,
-                                 max_array_len=limits.max_tensors * 8 + 1024, max_map_len=limits.max_tensors + 1024)
+        header = msgpack.unpackb(raw, **options)
+    except _TooManyContainers:
+        raise ProtocolError(f"header holds more than {containers} maps and arrays (the limit)", "too_large") from None
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, FormatError, ...)
         text = str(exc)
         if "exceeds max" in text:  # a string, binary, array or map over the header's limits
@@ -481,60 +586,78 @@ def _decode(frames: Sequence[Any], limits: Limits, resolve: Resolve | None = Non
             values[name] = check(value, limits)
         except _Mismatch as exc:
             raise _field_error(f"{wire}.{name}", exc) from None
+        except _TooDeep as exc:
+            raise ProtocolError(f"{wire}.{name}: {exc}", "too_large") from None
     for name in schema.required:
         if name not in values:
             raise ProtocolError(f"{wire}: missing field {name!r}", "bad_field")
 
     descs = header["tensors"]
+    if not descs and len(frames) > 1:
+        raise ProtocolError(f"{len(frames) - 1} data frames not described by the header")
     if not descs and not schema.tensor_fields:
-        if len(frames) > 1:
-            raise ProtocolError(f"{len(frames) - 1} data frames not described by the header")
         return schema.cls(**values)
 
     data = [_buffer(f) for f in frames[1:]]
     tensors: dict[str, list[torch.Tensor]] = {}
     pos = 0
     total = 0
+    specs = schema.specs
+    max_rank = limits.max_rank
+    # Per descriptor: exact type tests (``type(x) is int`` also refuses bool) and no where-string
+    # until something is wrong: up to max_tensors descriptors pass here per message.
     for i, desc in enumerate(descs):
-        where = f"{wire}.tensors[{i}]"
-        if not isinstance(desc, dict) or (desc.keys() != TENSOR_KEYS and desc.keys() != TENSOR_KEYS_SHM):
-            raise ProtocolError(f"{where}: expected a map with keys {sorted(TENSOR_KEYS)} (and optionally 'shm')")
-        spec = schema.specs.get(desc["field"]) if isinstance(desc["field"], str) else None
+        if type(desc) is not dict or (desc.keys() != TENSOR_KEYS and desc.keys() != TENSOR_KEYS_SHM):
+            raise ProtocolError(f"{wire}.tensors[{i}]: expected a map with keys {sorted(TENSOR_KEYS)} "
+                                "(and optionally 'shm')")
+        field = desc["field"]
+        spec = specs.get(field) if type(field) is str else None
         if spec is None or not spec.tensor:
-            raise ProtocolError(f"{where}: {desc['field']!r} is not a tensor field of {wire}", "bad_field")
+            raise ProtocolError(f"{wire}.tensors[{i}]: {field!r} is not a tensor field of {wire}", "bad_field")
         wire_dtype = desc["dtype"]
-        dtype = DTYPES.get(wire_dtype) if isinstance(wire_dtype, str) else None
+        dtype = DTYPES.get(wire_dtype) if type(wire_dtype) is str else None
         if dtype is None:
-            raise ProtocolError(f"{where}: unknown dtype {wire_dtype!r}; expected one of {sorted(DTYPES)}",
-                                "bad_dtype")
+            raise ProtocolError(f"{wire}.tensors[{i}]: unknown dtype {wire_dtype!r}; expected one of "
+                                f"{sorted(DTYPES)}", "bad_dtype")
         shape = desc["shape"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise ProtocolError(f"{where}: shape must be an array of non-negative integers")
-        if len(shape) > limits.max_rank:
-            raise ProtocolError(f"{where}: rank {len(shape)} exceeds the limit of {limits.max_rank}", "too_large")
+        if type(shape) is not list or len(shape) > max_rank or not all(type(d) is int and d >= 0 for d in shape):
+            if type(shape) is list and len(shape) > max_rank:
+                raise ProtocolError(f"{wire}.tensors[{i}]: rank {len(shape)} exceeds the limit of {max_rank}",
+                                    "too_large")
+            raise ProtocolError(f"{wire}.tensors[{i}]: shape must be an array of non-negative integers")
         nframes = desc["frames"]
-        if not isinstance(nframes, int) or isinstance(nframes, bool) or nframes < 0:
-            raise ProtocolError(f"{where}: frames must be a non-negative integer")
-        nbytes = math.prod(shape) * _ITEMSIZE[wire_dtype]
-        if nbytes == 0 and math.prod(max(d, 1) for d in shape) * _ITEMSIZE[wire_dtype] > limits.max_message_bytes:
+        if type(nframes) is not int or nframes < 0:
+            raise ProtocolError(f"{wire}.tensors[{i}]: frames must be a non-negative integer")
+        itemsize = _ITEMSIZE[wire_dtype]
+        nbytes = math.prod(shape) * itemsize
+        if nbytes == 0 and math.prod(max(d, 1) for d in shape) * itemsize > limits.max_message_bytes:
             # empty, but its other dimensions would overflow torch's stride arithmetic
-            raise ProtocolError(f"{where}: shape {shape} exceeds the limit of {limits.max_message_bytes} bytes "
-                                "even with its zero dimension taken as 1", "too_large")
+            raise ProtocolError(f"{wire}.tensors[{i}]: shape {shape} exceeds the limit of {limits.max_message_bytes} "
+                                "bytes even with its zero dimension taken as 1", "too_large")
         total += nbytes
         if total > limits.max_message_bytes:
             raise ProtocolError(f"tensor bytes exceed the limit of {limits.max_message_bytes}", "too_large")
         if "shm" in desc:
             tensors.setdefault(spec.name, []).append(
-                _shm_view(where, desc["shm"], wire_dtype, dtype, shape, nbytes, nframes, resolve))
+                _shm_view(f"{wire}.tensors[{i}]", desc["shm"], wire_dtype, dtype, shape, nbytes, nframes, resolve))
             continue
         if pos + nframes > len(data):
-            raise ProtocolError(f"{where}: header names {nframes} frames but only {len(data) - pos} remain")
+            raise ProtocolError(f"{wire}.tensors[{i}]: header names {nframes} frames but only {len(data) - pos} "
+                                "remain")
+        if nframes == 1:
+            part = data[pos]
+            pos += 1
+            if len(part) != nbytes or nbytes == 0:
+                raise ProtocolError(f"{wire}.tensors[{i}]: {len(part)} bytes in 1 frame, expected {nbytes} for "
+                                    f"{wire_dtype}{shape}")
+            flat = torch.frombuffer(part, dtype=dtype)  # a view: no copy
+            tensors.setdefault(spec.name, []).append(flat if len(shape) == 1 else flat.view(shape))
+            continue
         parts = data[pos:pos + nframes]
         pos += nframes
         got = sum(len(p) for p in parts)
         if got != nbytes or (nbytes > 0) != (nframes > 0):
-            raise ProtocolError(f"{where}: {got} bytes in {nframes} frames, expected {nbytes} for "
+            raise ProtocolError(f"{wire}.tensors[{i}]: {got} bytes in {nframes} frames, expected {nbytes} for "
                                 f"{wire_dtype}{shape}")
         tensors.setdefault(spec.name, []).append(_view(parts, dtype, shape, nbytes))
     if pos != len(data):

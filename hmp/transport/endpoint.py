@@ -13,6 +13,14 @@
   that suspended, replies waiting for room); at the cap it stops reading its socket, so requests
   queue in libzmq and then in the peers (their sends wait) until a request finishes. Receive
   high-water marks are sized to memory (:func:`hwm_for`), not to a message count.
+* Trust (docs/protocol.md, "Trust"): a server with a ``job_token`` answers a message whose token
+  differs (or is missing) ``unauthorized`` before anything else, then asks ``authorize(msg, peer)``
+  (the node's who-may-send-what table) before the handler; with CURVE (``security``, see
+  :mod:`hmp.transport.security`) it also checks that the sender id is its key's. A client stamps its
+  ``job_token`` on every message; replies carry none. ``None`` for either option means this
+  process's setting (:func:`set_process_job_token`, ``security.set_process_security``), which a
+  daemon sets once. Warnings a peer can cause per message (``bad_message``, ``unauthorized``) are
+  rate-limited (:mod:`hmp.transport.ratelimit`).
 * :class:`Client` opens a DEALER socket to one server. ``request()`` sends a message with a fresh
   ``rid`` and returns the reply with that ``rid`` (many may be in flight); an ``Error`` reply raises
   :class:`RemoteError`, no reply in time raises :class:`RequestTimeout`.
@@ -75,6 +83,7 @@ import dataclasses
 import itertools
 import os
 import platform
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -89,6 +98,9 @@ from hmp.transport.codec import (DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, Limits, de
                                  message_tensors)
 from hmp.transport.shm import Arena
 from hmp.transport.eager import start_eager
+from hmp.transport import security as sec
+from hmp.transport.ratelimit import RateLimitedLog
+from hmp.transport.security import Curve, HandshakeFailed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +120,26 @@ class Reply:
 
 
 Handler = Callable[[Message, bytes], Awaitable[Message | Reply | None]]
+#: ``authorize(msg, peer)`` -> None to serve ``msg``, or the reason it is refused (``unauthorized``)
+Authorize = Callable[[Message, bytes], "str | None"]
 log = structlog.get_logger("hmp.transport")
+
+_process_job_token = ""
+
+
+def set_process_job_token(token: str) -> None:
+    """The job token of the endpoints of this process that are given none (``job_token=None``).
+
+    A daemon sets it once (:meth:`hmp.nodes.base.Node.run`), so that every Client it opens, in
+    whatever module, stamps the job's token and every Server refuses other jobs' messages."""
+    global _process_job_token
+    _process_job_token = token
+
+
+def process_job_token() -> str:
+    """The token :func:`set_process_job_token` set ("" by default: open)."""
+    return _process_job_token
+
 
 #: Receive high-water marks are at least this many messages (control messages are small).
 HWM_FLOOR = 16
@@ -404,8 +435,17 @@ class Server:
     def __init__(self, address: str, handlers: Mapping[Kind, Handler], *, name: str = "server",
                  limits: Limits = DEFAULT_LIMITS, frame_bytes: int = DEFAULT_FRAME_BYTES,
                  ctx: zmq.Context | None = None, eager: bool = True, hwm: int | None = None,
-                 max_inflight: int | None = None, shm: Arena | bool | None = None) -> None:
+                 max_inflight: int | None = None, shm: Arena | bool | None = None, job_token: str | None = None,
+                 authorize: Authorize | None = None, security: Curve | bool | None = None) -> None:
         self.bind_address = address
+        #: CURVE (hmp.transport.security): a Curve, False (plain), None (the process's, plain by default)
+        self.curve = sec.resolve(security)
+        #: the job's identity: when set, a message whose ``job_token`` differs is refused ``unauthorized``
+        #: (None: the process's, :func:`set_process_job_token`; "": open)
+        self.job_token = process_job_token() if job_token is None else job_token
+        #: who may send what (``authorize(msg, peer)`` -> None, or why it is refused): asked for every
+        #: decoded message before its handler, so that no handler can forget it
+        self.authorize = authorize
         self.address = address
         self.handlers = dict(handlers)
         self.name = name
@@ -421,12 +461,14 @@ class Server:
         self._inflight: set[asyncio.Task] = set()
         self._closing = False
         self.stats = {"requests": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0, "replies": 0,
-                      "unanswered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0}
+                      "unanswered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0, "unauthorized": 0}
         self.log = log.bind(node=name)
+        self.warnings = RateLimitedLog(self.log)
         #: shared memory: an Arena, False (none), or None (the process arena when a peer asks)
         self.shm = shm
         self._shm_peers: dict[bytes, shm_mod.RequestResolver] = {}  # routing id -> what it agreed
         self._internal: dict[Kind, Handler] = {Kind.SHM: self._on_shm_hello, Kind.SHM_RELEASE: self._on_shm_release}
+        self._watch: sec.HandshakeWatch | None = None  # CURVE: failed handshakes, for the log
 
     async def __aenter__(self) -> Server:
         await self.start()
@@ -442,23 +484,50 @@ class Server:
 
     async def start(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
+        auth = False
         try:
             _configure(sock, self.limits, self.hwm)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self.curve is not None:
+                self.curve.apply_server(sock)
+                sec.acquire_authenticator(self._ctx, self.curve)  # before bind: no connection gets in unchecked
+                auth = True
             if self.bind_address.startswith("ipc://"):
+                path = self.bind_address.removeprefix("ipc://")
+                # Another live server: taking its path over would hijack its peers. (A server of this
+                # process closed just now may still listen for a moment: libzmq closes on its I/O thread.)
+                for _ in range(50):
+                    if not _listening(path):
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise zmq.ZMQError(zmq.EADDRINUSE)
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.bind_address.removeprefix("ipc://"))
+                    os.unlink(path)  # a stale socket file left by a process that died
             sock.bind(self.bind_address)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             sock.close(linger=0)
+            if auth:
+                sec.release_authenticator(self._ctx)
             raise
-        self._chan = _Channel(sock, self._on_message, copied=2)
+        # With CURVE the header stays a frame: its User-Id property names the sender's key.
+        self._chan = _Channel(sock, self._on_message, copied=1 if self.curve is not None else 2)
+        if self.curve is not None:  # clients that fail the handshake never reach _on_message: say so here
+            self._watch = sec.HandshakeWatch(sock, lambda why: self.warnings.warning(
+                "curve_handshake_failed", "handshake_failed", address=self.address, error=why), sec.SERVER_FAILURES)
         return self.address
 
     def _on_message(self, frames: list[Any]) -> None:
         peer, body = frames[0], frames[1:]
         stats = self.stats
+        user = None
+        if self.curve is not None and body and isinstance(body[0], zmq.Frame):
+            try:
+                user = body[0].get("User-Id")
+            except zmq.ZMQError:
+                user = ""
+            body[0] = body[0].bytes
         stats["bytes_in"] += len(body[0]) if len(body) == 1 else sum(len(f) for f in body)
         if self._closing:
             self._answer_error(peer, frame_error_rid(body) if body else 0, "shutting_down",
@@ -468,8 +537,26 @@ class Server:
             msg = decode(body, self.limits, resolve=self._shm_peers.get(peer) if self._shm_peers else None)
         except ProtocolError as exc:
             stats["errors"] += 1
-            self.log.warning("bad_message", peer=peer.hex(), code=exc.code, error=str(exc))
+            self.warnings.warning("bad_message", exc.code, peer=peer.hex(), error=str(exc))
             self._answer_error(peer, frame_error_rid(body) if body else 0, exc.code, str(exc))
+            return
+        why = None
+        if self.job_token and msg.job_token != self.job_token:
+            # Never echo either token: the refusal must not teach a stranger the job's identity.
+            why = (f"{self.name} refuses {msg.kind.value!r} from {msg.sender or '?'!r}: the job token "
+                   f"{'is missing' if not msg.job_token else 'does not match'} (another job, or a client "
+                   f"without this job's token)")
+        elif user is not None and not sec.sender_bound(msg.sender, user, self.curve):
+            why = (f"{self.name} refuses {msg.kind.value!r} from {msg.sender or '?'!r}: the connection's CURVE key "
+                   f"is {user or 'unnamed'!r}, and a key speaks only for its own node")
+        elif self.authorize is not None:
+            why = self.authorize(msg, peer)
+        if why is not None:
+            stats["errors"] += 1
+            stats["unauthorized"] += 1
+            self.warnings.warning("unauthorized", "unauthorized", peer=peer.hex(), sender=msg.sender,
+                                  kind=msg.kind.value, error=why)
+            self._answer_error(peer, msg.rid, "unauthorized", why)
             return
         stats["requests"] += 1
         handler = self.handlers.get(msg.kind) or self._internal.get(msg.kind)
@@ -666,8 +753,27 @@ class Server:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self._chan.close()
         self._chan = None
+        self.warnings.flush()
+        if self.curve is not None:
+            sec.release_authenticator(self._ctx)
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path`` (a live server, not a stale file)."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def _notify(reply: Reply, sent: bool) -> None:
@@ -688,8 +794,16 @@ class Client:
     def __init__(self, address: str, *, name: str = "client", limits: Limits = DEFAULT_LIMITS,
                  frame_bytes: int = DEFAULT_FRAME_BYTES, timeout_s: float = 30.0,
                  ctx: zmq.Context | None = None, hwm: int | None = None,
-                 shm: Arena | bool | None = None) -> None:
+                 shm: Arena | bool | None = None, job_token: str | None = None,
+                 security: Curve | bool | None = None) -> None:
         self.address = address
+        #: CURVE (hmp.transport.security): a Curve, False (plain), None (the process's, plain by default)
+        self.curve = sec.resolve(security)
+        self._watch: sec.HandshakeWatch | None = None
+        self.warnings = RateLimitedLog(log.bind(node=name, peer=address))  # a reconnecting peer fails again and again
+        #: the job's identity, stamped on every message this client sends (docs/protocol.md, "Trust");
+        #: None: the process's (:func:`set_process_job_token`), "": none
+        self.job_token = process_job_token() if job_token is None else job_token
         self.name = name
         self.limits = limits
         self.frame_bytes = frame_bytes
@@ -729,8 +843,14 @@ class Client:
         sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         try:
             _configure(sock, self.limits, self.hwm)
+            if self.curve is not None:
+                self.curve.apply_client(sock)
+                self._watch = sec.HandshakeWatch(sock, self._handshake_failed)
             sock.connect(self.address)
         except BaseException:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             sock.close(linger=0)
             raise
         self._chan = _Channel(sock, self._on_message, copied=1)
@@ -748,7 +868,7 @@ class Client:
             msg = decode(frames, self.limits, resolve=self._resolve)
         except ProtocolError as exc:
             rid = frame_error_rid(frames)
-            self.log.warning("bad_reply", code=exc.code, error=str(exc), rid=rid)
+            self.warnings.warning("bad_reply", exc.code, error=str(exc), rid=rid)
             fut = self._pending.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -770,7 +890,8 @@ class Client:
                     sender: str | None = None, locate: Any = None) -> zmq.MessageTracker | None:
         if self._chan is None:
             raise EndpointClosed(f"{self.name} is closed")
-        frames = encode(msg, self.frame_bytes, rid=rid, sender=sender, locate=locate)
+        frames = encode(msg, self.frame_bytes, rid=rid, sender=sender, locate=locate,
+                        job_token=self.job_token or None)
         if len(frames) > 1:
             self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
         return await self._chan.send(frames, track)
@@ -820,12 +941,43 @@ class Client:
         self.stats["requests"] += 1
         # A timer on the future rather than asyncio.wait_for: same bound, a fraction of the cost.
         timer = loop.call_later(timeout, self._expire, fut, msg.kind, rid, timeout)
+        watch = self._watch
+        if watch is not None and not watch.ok:
+            if watch.error:  # the last handshake was refused: say so now rather than wait
+                fut.set_exception(self._handshake_error(watch.error))
+            else:
+                self._check_handshake(fut)
         try:
             await self._send(msg, False, rid=rid, sender=msg.sender or self.name, locate=locate)
             return await fut
         finally:
             timer.cancel()
             self._pending.pop(rid, None)
+
+    def _handshake_error(self, reason: str) -> HandshakeFailed:
+        assert self.curve is not None
+        return HandshakeFailed(f"{self.name}: the CURVE handshake with {self.address} failed: {reason} "
+                               f"(key folder {self.curve.key_dir}, this client's key {self.curve.name!r})")
+
+    def _handshake_failed(self, reason: str) -> None:
+        """The server refused the handshake (monitor event): fail what waits now, not at its timeout."""
+        self.warnings.warning("curve_handshake_failed", "handshake_failed", error=reason)
+        self.fail_pending(self._handshake_error(reason))
+
+    def _check_handshake(self, fut: asyncio.Future[Message]) -> None:
+        """A request's handshake watch: fail it once the connection has been up ``handshake_timeout_s``
+        without a finished handshake (a server that cannot read our hello answers nothing at all)."""
+        watch, curve = self._watch, self.curve
+        if fut.done() or watch is None or curve is None or watch.ok:
+            return
+        if watch.stalled(curve.handshake_timeout_s):
+            self.warnings.warning("curve_handshake_failed", "handshake_timeout", waited_s=curve.handshake_timeout_s)
+            fut.set_exception(self._handshake_error(
+                watch.error or f"no handshake within {curve.handshake_timeout_s} s (the server has another key, "
+                               f"or does not speak CURVE)"))
+            return
+        # No connection yet (the server may be starting), or one younger than the timeout: look again.
+        watch.loop.call_later(min(0.25, curve.handshake_timeout_s / 4), self._check_handshake, fut)
 
     def _expire(self, fut: asyncio.Future[Message], kind: Kind, rid: int, timeout: float) -> None:
         if not fut.done():
@@ -912,7 +1064,7 @@ class Client:
             return
         for i in range(0, len(slots), _RELEASE_BATCH):
             frames = encode(ShmRelease(segment=self._release_as, slots=tuple(slots[i:i + _RELEASE_BATCH])),
-                            self.frame_bytes, sender=self.name)
+                            self.frame_bytes, sender=self.name, job_token=self.job_token or None)
             try:
                 chan.send_now(frames, False)
             except zmq.Again:  # no room now: a task waits for it (releases are never dropped for that)
@@ -946,8 +1098,12 @@ class Client:
         self._flush_releases()  # what is queued goes now; later ones are reclaimed when this process exits
         for task in list(self._release_tasks):
             task.cancel()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self._chan.close()
         self._chan = None
+        self.warnings.flush()
 
 
 @dataclasses.dataclass(eq=False)
@@ -960,4 +1116,5 @@ class _ShmLink:
     resolver: shm_mod.ReplyResolver | None
 
 
-__all__ = ["Client", "Server", "Handler", "Reply", "context", "hwm_for", "tune_malloc", "wait_sent", "PeerLost"]
+__all__ = ["Authorize", "Client", "RateLimitedLog", "Server", "Handler", "Reply", "process_job_token",
+           "set_process_job_token", "context", "hwm_for", "tune_malloc", "wait_sent", "PeerLost"]

@@ -1,0 +1,167 @@
+"""Receive-side guards: what a daemon does with a message before the codec sees it.
+
+The codec bounds what a message costs to decode (:class:`hmp.transport.codec.Limits`); two costs
+come before that and are bounded here:
+
+* **Reading the parts.** libzmq hands over a multipart message only once all of it has arrived,
+  but the receiver still takes its parts one call at a time (~2-6 us each on the test machine:
+  6,000 empty frames cost a daemon's loop 30-370 ms in one callback). :class:`PartReader` reads at
+  most ``parts_per_turn`` parts per turn of the event loop, then gives the loop back in the middle
+  of the message, and keeps only the first ``max_parts`` of a message (the routing id and header
+  among them): the rest of an over-long one is read and dropped at once, and it comes back as an
+  :class:`Overlong` for the endpoint to refuse (``too_large``, answered with the header's rid).
+* **Memory.** A frame above ``zmq.MAXMSGSIZE`` makes libzmq drop the connection as soon as the
+  frame's length prefix arrives, before buffering it; :func:`max_frame_bytes` is the value for a
+  job's limits. libzmq has no limit on a whole multipart message, so a message of many frames each
+  under the limit is buffered whole before anyone can look at its header; what a daemon can do is
+  bound each frame, refuse the message at once, and give the memory back afterwards
+  (:func:`release_memory`). Only CURVE (``[security] curve``) keeps strangers from sending at all.
+
+Nothing here decodes; :func:`overlong_error` is the error an endpoint answers an Overlong with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import platform
+from typing import Any
+
+import zmq
+
+from hmp.errors import ProtocolError
+from hmp.transport.codec import Limits
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
+#: Parts read per turn of the event loop (about 3-6 ms at the per-part cost above); a message with
+#: more parts is read over several turns, with the loop's other callbacks (heartbeats) in between.
+PARTS_PER_TURN = 1024
+
+#: Slack over the largest frame for ``zmq.MAXMSGSIZE``: msgpack headers and tensors cut at
+#: ``frame_bytes`` never exceed it, and a header is bounded by ``max_header_bytes`` itself.
+FRAME_SLACK = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Overlong:
+    """A message with more parts than allowed: its first parts (as read) and how many it had."""
+
+    head: list[Any]
+    parts: int
+
+
+class PartReader:
+    """Reads one multipart message after another from a socket, a bounded number of parts per turn.
+
+    ``read()`` returns the next message's parts (the first ``copied`` as ``bytes``, the rest as
+    zero-copy ``zmq.Frame``), an :class:`Overlong` for a message of more than ``max_parts`` parts
+    (keeping its first ``head`` parts, by default ``copied``),
+    or None: nothing to read (``zmq.Again``), or this turn's budget ran out in the middle of a
+    message (then ``mid_message`` is True and the caller must call again on a later turn: libzmq
+    signals nothing new for the parts it already holds). ``turn()`` starts a new budget. Only this
+    reader may receive on the socket; sends in between are fine.
+    """
+
+    def __init__(self, sock: zmq.Socket, copied: int, max_parts: int, parts_per_turn: int = PARTS_PER_TURN, *,
+                 head: int | None = None) -> None:
+        self.head = copied if head is None else head  #: leading parts an Overlong keeps (routing id, header)
+        if max_parts < max(copied, self.head, 1) or parts_per_turn < 1:
+            raise ValueError(f"max_parts must be >= {max(copied, self.head, 1)} and parts_per_turn >= 1, "
+                             f"got {max_parts} and {parts_per_turn}")
+        self.sock = sock
+        self.copied = copied
+        self.max_parts = max_parts
+        self.parts_per_turn = parts_per_turn
+        self._left = parts_per_turn
+        self._parts: list[Any] | None = None  # the message being read (None: between messages)
+        self._count = 0  # its parts so far, kept or not
+        self.overlong = 0  #: over-long messages read so far
+
+    @classmethod
+    def for_limits(cls, sock: zmq.Socket, copied: int, limits: Limits, parts_per_turn: int = PARTS_PER_TURN, *,
+                   head: int | None = None) -> PartReader:
+        """A reader for messages of ``head`` leading parts (routing id and header; default ``copied``)
+        plus at most ``limits.max_frames`` data frames."""
+        head = copied if head is None else head
+        return cls(sock, copied, head + limits.max_frames, parts_per_turn, head=head)
+
+    @property
+    def mid_message(self) -> bool:
+        """True when the last ``read()`` stopped inside a message (call again on a later turn)."""
+        return self._parts is not None
+
+    def turn(self) -> None:
+        """Start a new turn's budget of ``parts_per_turn`` parts."""
+        self._left = self.parts_per_turn
+
+    def read(self) -> list[Any] | Overlong | None:
+        sock = self.sock
+        parts = self._parts
+        if parts is None:
+            if self._left <= 0:
+                return None
+            try:
+                first = sock.recv(_NOBLOCK, copy=self.copied > 0)
+            except zmq.Again:
+                return None
+            self._left -= 1
+            parts, self._count = [first], 1
+        # Once the first part is readable the whole message is (libzmq delivers messages
+        # atomically), so NOBLOCK never fails below.
+        copied, keep = self.copied, self.max_parts
+        while sock.get(_RCVMORE):
+            if self._left <= 0:
+                self._parts = parts
+                return None
+            self._left -= 1
+            part = sock.recv(_NOBLOCK, copy=self._count < copied)
+            self._count += 1
+            if self._count <= keep:
+                parts.append(part)
+            # else: dropped here, its buffer freed with it
+        self._parts = None
+        if self._count > keep:
+            self.overlong += 1
+            return Overlong(parts[:self.head], self._count)
+        return parts
+
+
+def overlong_error(message: Overlong, head: int, limits: Limits) -> ProtocolError:
+    """The ``too_large`` error for an over-long message of ``head`` leading parts (routing id, header) and
+    data frames: what decode would say."""
+    frames = message.parts - head
+    return ProtocolError(f"{frames} data frames exceed the limit of {limits.max_frames}", "too_large")
+
+
+def max_frame_bytes(limits: Limits, frame_bytes: int) -> int:
+    """``zmq.MAXMSGSIZE`` for a socket of a job cutting tensors at ``frame_bytes``: its largest frame
+    (a tensor frame or a header) plus :data:`FRAME_SLACK`. A larger frame drops the connection
+    before it is buffered; the sender sees no error, only a request timeout, so peers must agree
+    on ``frame_bytes`` (a job's daemons share ``[limits] frame_bytes``)."""
+    return max(min(frame_bytes, limits.max_message_bytes), limits.max_header_bytes) + FRAME_SLACK
+
+
+def release_memory() -> bool:
+    """Give freed heap memory back to the OS now (glibc ``malloc_trim(0)``); False where not glibc.
+
+    For after refusing a large message: :func:`hmp.transport.endpoint.tune_malloc` keeps freed
+    receive buffers mapped on purpose (up to its ``retain_bytes`` at the top of the heap, and any
+    amount below live allocations), so a refused 3 GiB message would otherwise stay in the RSS.
+    Costs a walk of the heap and a page release per freed page (measured: 0.5 ms with nothing to
+    give back, 18 ms for 256 MiB), so call it rarely: after a refused message of many megabytes,
+    not per message.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
+__all__ = ["FRAME_SLACK", "PARTS_PER_TURN", "Overlong", "PartReader", "max_frame_bytes", "overlong_error",
+           "release_memory"]

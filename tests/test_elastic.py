@@ -1,0 +1,200 @@
+"""Elastic workers, with real daemons on loopback: a worker that dies, hangs or leaves does not end the job;
+too few workers do; a crashed worker is restarted and rejoins (PS and allreduce jobs); a worker blocked on a
+frozen shard stops at once on SIGTERM (docs/architecture.md, "Elastic workers")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hmp.cluster import JobFailed, LocalCluster
+
+from .cluster_util import write_config
+from .test_allreduce import ring_config
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+HB = 0.3  # the tests' heartbeat interval (cluster_util)
+#: A slower optimizer than the other cluster tests': the job must outlast a fault's detection (~1 s) by far.
+SLOW = 'name = "sgd"\nlr = 0.02'
+
+
+async def _until_training(cluster: LocalCluster, workers: tuple[str, ...] = ("cpu0", "gpu0"),
+                          updates: int = 5) -> dict:
+    """The scheduler's status once every worker in ``workers`` has reported ``updates`` updates."""
+    st = None
+    for _ in range(600):
+        st = await cluster.status()
+        w = (st or {}).get("workers", {})
+        if all(w.get(n, {}).get("updates", 0) > updates for n in workers):
+            return st
+        await asyncio.sleep(0.1)
+    pytest.fail(f"the job did not start training: {st}")
+
+
+async def _until_state(cluster: LocalCluster, node: str, state: str, timeout_s: float) -> float:
+    """Seconds until the scheduler's status shows ``node`` in ``state`` (fails after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        st = await cluster.status(timeout_s=1.0)
+        if st and st["members"].get(node) == state:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.05)
+    pytest.fail(f"{node} not {state} within {timeout_s} s: {st and st['members']}")
+
+
+def _report(tmp: Path) -> dict:
+    return json.loads((tmp / "run" / "report.json").read_text())
+
+
+def _events(report: dict, node: str) -> list[str]:
+    return [e["event"] for e in report["membership"] if e["node"] == node]
+
+
+@pytest.mark.parametrize("consistency", ["async", "sync"])
+async def test_a_killed_worker_does_not_end_a_ps_job(tmp_path, consistency):
+    """SIGKILL of a worker mid-job: the scheduler drops it within the heartbeat bound, the shards stop waiting for
+    it (sync rounds), and the survivor trains on to the target; the report names the lost worker. In async mode
+    the data goes first come first served: the range the dead worker held is handed out again."""
+    policy = "hogbatch" if consistency == "async" else "static"
+    cfg = write_config(tmp_path, consistency=consistency, policy=policy, target=0.95, epochs=200, max_seconds=120,
+                       optimizer=SLOW)
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster)
+        cluster.kill("gpu0", signal.SIGKILL)
+        detected = await _until_state(cluster, "gpu0", "lost", 10)
+        report = await cluster.train(timeout_s=150)
+        assert cluster.worker_exits == {"gpu0": -signal.SIGKILL}
+        assert all(p.returncode == 0 for n, p in cluster.procs.items() if n != "gpu0")
+    # 3 intervals of silence, plus the last heartbeat's age, a tick and this poll on a shared machine.
+    assert detected < 4 * HB + 1.0, detected
+    assert _events(report, "gpu0") == ["lost"], report["membership"]
+    assert report["final"]["stop_reason"].startswith("target accuracy")
+    assert report["final"]["best_reported_accuracy"] >= 0.95
+    if consistency == "async":
+        assert report["work_redone"] > 0
+    assert report["final"]["elapsed_s"] > report["membership"][0]["t"]  # it went on after the loss
+    shard_log = (tmp_path / "run" / "logs" / "ps0.log").read_text()
+    assert "gpu0" in shard_log and "drop" in shard_log
+
+
+async def test_a_hung_worker_is_dropped_and_the_job_completes(tmp_path):
+    """SIGSTOP of a worker (a hang): it is lost within the heartbeat bound and the job completes without it."""
+    cfg = write_config(tmp_path, target=0.95, epochs=200, max_seconds=120, optimizer=SLOW)
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster)
+        cluster.kill("gpu0", signal.SIGSTOP)
+        try:
+            detected = await _until_state(cluster, "gpu0", "lost", 10)
+            code = await asyncio.wait_for(cluster.procs["scheduler"].wait(), 150)
+        finally:
+            cluster.kill("gpu0", signal.SIGCONT)
+        assert code == 0, cluster.log_tail("scheduler", 30)
+    assert detected < 4 * HB + 1.0, detected
+    report = _report(tmp_path)
+    assert _events(report, "gpu0") == ["lost"] and report["final"]["best_reported_accuracy"] >= 0.95
+
+
+async def test_fewer_live_workers_than_min_workers_fails_the_job(tmp_path):
+    """[train] min_workers = 2 and one of the two workers killed: the job fails, naming the killed worker first
+    and the rule in the scheduler's log."""
+    cfg = write_config(tmp_path, target=1.0, epochs=1000, max_seconds=120, extra_train="min_workers = 2")
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster)
+        cluster.kill("gpu0", signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(JobFailed) as info:
+            await cluster.train(timeout_s=60)
+        waited = time.monotonic() - t0
+    assert info.value.node == "gpu0" and "then scheduler with code 1" in str(info.value), info.value
+    assert "only 1 of 2 workers remain (cpu0) after gpu0 lost" in cluster.log_tail("scheduler", 40)
+    assert "min_workers = 2" in str(info.value)
+    assert waited < 4 * HB + 10
+
+
+async def test_a_restarted_worker_rejoins_a_ps_job(tmp_path):
+    """[job] restarts = {cpu_worker = 1}: cpu0 (the worker that evaluates) killed mid-job is started again by the
+    launcher, rejoins with a new process, pulls the current parameters and the job reaches its target."""
+    cfg = write_config(tmp_path, target=0.95, epochs=200, max_seconds=120, optimizer=SLOW)
+    cfg.write_text(cfg.read_text().replace("join_timeout_s = 60", "join_timeout_s = 60\nrestarts = { cpu_worker = 1 }"))
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster)
+        old = cluster.procs["cpu0"].pid
+        cluster.kill("cpu0", signal.SIGKILL)
+        report = await cluster.train(timeout_s=150)
+        assert cluster.procs["cpu0"].pid != old and cluster.procs["cpu0"].returncode == 0
+        assert [(r["node"], r["attempt"], r["exit_code"]) for r in cluster.restarts] == [("cpu0", 1, -signal.SIGKILL)]
+        assert cluster.worker_exits == {}
+    assert "restarted" in _events(report, "cpu0"), report["membership"]
+    assert report["final"]["best_reported_accuracy"] >= 0.95
+    assert (tmp_path / "run" / "logs" / "cpu0.1.log").read_text().count("joined") >= 1
+
+
+async def test_a_restarted_ring_member_rejoins_a_new_ring_generation(tmp_path):
+    """Allreduce with [job] restarts: w1 killed mid-run is restarted, joins a new ring generation with the
+    survivors, resyncs from them and the job reaches its target with identical replicas."""
+    cfg = ring_config(tmp_path, workers=2, target=0.95, epochs=200, max_seconds=120)
+    cfg.write_text(cfg.read_text().replace("join_timeout_s = 60", "join_timeout_s = 60\nrestarts = { cpu_worker = 1 }"))
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster, ("w0", "w1"), updates=10)
+        cluster.kill("w1", signal.SIGKILL)
+        report = await cluster.train(timeout_s=150)
+        assert [r["node"] for r in cluster.restarts] == ["w1"]
+    gens = report["rings"]
+    assert gens[-1]["members"] == ["w0", "w1"] and "w1 joined" in gens[-1]["why"], gens
+    assert "restarted" in _events(report, "w1"), report["membership"]
+    assert report["final"]["test_accuracy"] >= 0.95
+    finals = [report["series"][w][-1] for w in ("w0", "w1")]
+    assert finals[0]["ring_generation"] == finals[1]["ring_generation"] == gens[-1]["generation"]
+    assert finals[0]["params_crc32"] == finals[1]["params_crc32"]
+
+
+def _slow_heartbeats(tmp_path: Path) -> Path:
+    """A long job whose heartbeat interval is long: a frozen peer is not declared lost during the test, so that
+    the scheduler's own stop cannot be what ends the worker."""
+    cfg = write_config(tmp_path, target=1.0, epochs=1000, max_seconds=120)
+    cfg.write_text(cfg.read_text().replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 3.0"))
+    return cfg
+
+
+async def test_a_worker_blocked_on_a_frozen_shard_stops_at_once_on_sigterm(tmp_path):
+    """ps1 frozen (SIGSTOP): cpu0's asynchronous push to it can never complete. SIGTERM makes cpu0 give up the
+    push and exit 0 within about 2 s (its goodbye to ps1 waits 1 s), not after its 60 s request timeout."""
+    cfg = _slow_heartbeats(tmp_path)
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster)
+        cluster.kill("ps1", signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.5)  # every push reaches ps1 (both shards hold chunks): cpu0 is blocked now
+            t0 = time.monotonic()
+            cluster.kill("cpu0", signal.SIGTERM)
+            code = await asyncio.wait_for(cluster.procs["cpu0"].wait(), 30)
+            waited = time.monotonic() - t0
+        finally:
+            cluster.kill("ps1", signal.SIGCONT)
+    assert code == 0 and waited < 3.0, (code, waited)
+    log = (tmp_path / "run" / "logs" / "cpu0.log").read_text()
+    assert "push_abandoned" in log
+
+
+async def test_a_worker_blocked_on_a_frozen_scheduler_stops_promptly_on_sigterm(tmp_path):
+    """The scheduler frozen (SIGSTOP): cpu0's next progress report can never be answered. SIGTERM makes cpu0 give
+    it up and exit 0 after its bounded goodbyes (the final report and the leave, 2 s each), not after the report's
+    10 s timeout and more."""
+    cfg = _slow_heartbeats(tmp_path)
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster)
+        cluster.kill("scheduler", signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)  # reports are due every 0.3 s: cpu0 is waiting for one now
+            t0 = time.monotonic()
+            cluster.kill("cpu0", signal.SIGTERM)
+            code = await asyncio.wait_for(cluster.procs["cpu0"].wait(), 30)
+            waited = time.monotonic() - t0
+        finally:
+            cluster.kill("scheduler", signal.SIGCONT)
+    assert code == 0 and waited < 6.0, (code, waited)

@@ -44,6 +44,7 @@ class Kind(enum.Enum):
     SHM_RELEASE = "shm_release"
     SUBMIT = "submit"
     DROP = "drop"
+    DISCOVER = "discover"
     # data
     INIT = "init"
     PUSH = "push"
@@ -62,7 +63,7 @@ class Kind(enum.Enum):
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
                        Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE, Kind.SUBMIT,
-                      Kind.DROP})
+                      Kind.DROP, Kind.DISCOVER})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -325,6 +326,17 @@ class Drop(Message):
 
     node: str
     reason: str = ""
+
+
+@message(Kind.DISCOVER)
+class Discover(Message):
+    """Any holder of the job token -> scheduler: where is the parameter server? Answered by a
+    ``Discover`` whose ``ps`` holds ``shards`` (``[id, address]`` in shard-index order; empty until every
+    shard has joined), ``chunks`` (``[key, dtype, start, numel]``), ``assignment`` (shard index as a
+    string -> chunk keys) and ``parameters`` (``[name, dtype, offset, numel, shape]``); empty for a job
+    without shards (docs/protocol.md, "Taking part from outside the topology")."""
+
+    ps: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- data kinds

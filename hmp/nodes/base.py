@@ -43,6 +43,8 @@ from hmp.transport import security
 from hmp.transport.endpoint import Client, Handler, Server, set_process_job_token
 
 T = TypeVar("T")
+#: Heartbeat intervals without an answer after which a node declares its scheduler lost (and fails).
+SCHEDULER_LOST_AFTER = 2.9
 
 #: The sender id of the local launcher (``hmp.cluster.LocalCluster``, ``hmp-launch``): it may ask
 #: for a node's status and shut it down.
@@ -87,6 +89,7 @@ class Node:
         self.server: Server | None = None
         self.scheduler: Client | None = None
         self.welcome: Welcome | None = None
+        self.scheduler_lost = False  # set when the heartbeats find it gone
         self.started = time.monotonic()
         self.step = 0
         self._task_group: asyncio.TaskGroup | None = None  # set while main() runs: where spawn() puts tasks
@@ -185,21 +188,26 @@ class Node:
             return reply
 
     async def heartbeat_loop(self) -> None:
-        """Heartbeat the scheduler; stop when it says so or when it has been silent 3 intervals."""
+        """Heartbeat the scheduler; stop when it says so, or fail when it has not answered for
+        :data:`SCHEDULER_LOST_AFTER` intervals (a dead scheduler is noticed within 3 intervals of its last
+        answer: each heartbeat waits only until that deadline, not a whole timeout of its own)."""
         assert self.scheduler is not None
         interval = self.cfg.job.heartbeat_interval_s
         last_ok = time.monotonic()
         while not self.stopping.is_set():
+            deadline = last_ok + SCHEDULER_LOST_AFTER * interval
             try:
-                reply = await self.scheduler.request(Heartbeat(step=self.step), timeout_s=interval * 3)
+                reply = await self.scheduler.request(Heartbeat(step=self.step),
+                                                     timeout_s=max(0.1 * interval, deadline - time.monotonic()))
                 last_ok = time.monotonic()
                 if isinstance(reply, Shutdown):
                     self.log.info("job_over", reason=reply.reason)
                     self.stopping.set()
                     return
             except (RequestTimeout, RemoteError) as exc:
-                if time.monotonic() - last_ok > interval * 3:
-                    self.fail(f"scheduler lost: {exc}")
+                if time.monotonic() >= deadline - 0.01 * interval:
+                    self.scheduler_lost = True  # leave() does not wait for an answer that cannot come
+                    self.fail(f"scheduler lost: no answer for {time.monotonic() - last_ok:.1f} s ({exc})")
                     return
             try:
                 await asyncio.wait_for(self.stopping.wait(), interval)
@@ -256,7 +264,7 @@ class Node:
     async def leave(self, reason: str) -> None:
         """Stop heartbeating and tell the scheduler this node is leaving."""
         await self.stop_heartbeat()
-        if self.scheduler is None:
+        if self.scheduler is None or self.scheduler_lost:
             return
         try:
             await self.scheduler.request(Leave(reason=reason), timeout_s=2.0)

@@ -23,8 +23,8 @@ from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
 from hmp.errors import HmpError
-from hmp.messages import (Ack, Assign, Drop, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign, Shutdown,
-                          StageAssign, Welcome, Work)
+from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign,
+                          Shutdown, StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import write_report
@@ -39,7 +39,14 @@ class SchedulerNode(Node):
 
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
-        sharding = job.sharded_model(cfg).report().as_dict() if cfg.shards else {}  # allreduce: no PS
+        sharded = job.sharded_model(cfg) if cfg.shards else None  # allreduce: no PS
+        sharding = sharded.report().as_dict() if sharded is not None else {}
+        # What a client outside the topology needs to use the PS (docs/protocol.md, "Taking part from
+        # outside"): the chunk layout and which shard owns which chunk; the addresses come per status.
+        self.ps_layout: dict[str, Any] = {} if sharded is None else {
+            "chunks": [[c.key, c.dtype, c.start, c.numel] for c in sharded.layout.chunks],
+            "assignment": {str(i): list(keys) for i, keys in sharded.assignment.items()},
+            "parameters": [[p.name, p.dtype, p.offset, p.numel, list(p.shape)] for p in sharded.layout.slots]}
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         self.dataset = job.dataset(cfg)
         self.core = SchedulerCore(cfg, n_train=len(self.dataset.y_train), sharding=sharding)
@@ -58,7 +65,8 @@ class SchedulerNode(Node):
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
-                Kind.REPORT: self.on_report, Kind.LEAVE: self.on_leave, Kind.WORK: self.on_work}
+                Kind.REPORT: self.on_report, Kind.LEAVE: self.on_leave, Kind.WORK: self.on_work,
+                Kind.DISCOVER: self.on_discover}
 
     # ---------------------------------------------------------------- core events
     def _dispatch_events(self) -> None:
@@ -172,9 +180,21 @@ class SchedulerNode(Node):
     def status(self) -> dict[str, Any]:
         st = super().status()
         st.update(self.core.status(time.monotonic()))
+        if self.ps_layout:
+            st["ps"] = self.ps_directory()
         if self.placement is not None:
             st["pipeline"] = self.placement.status()
         return st
+
+    def ps_directory(self) -> dict[str, Any]:
+        """Where the parameter server is and how its chunks are laid out (the ``discover`` answer)."""
+        if not self.ps_layout:
+            return {}
+        return {"shards": self.core.shard_addresses() if self.core.shards_ready else [], **self.ps_layout}
+
+    async def on_discover(self, msg: Discover, peer: bytes) -> Message:
+        """Open to any holder of the job token: what a client outside the topology needs to use the PS."""
+        return Discover(ps=self.ps_directory())
 
     # ---------------------------------------------------------------- the placement loop's link to workers
     async def worker_client(self, worker_id: str) -> Client:

@@ -306,7 +306,8 @@ class SchedulerCore:
             self.workers_done = True
             self._events.append(WorkersDone())
 
-    def _shard_addresses(self) -> list[list[str]]:
+    def shard_addresses(self) -> list[list[str]]:
+        """``[[shard id, address], ...]`` in shard-index order (the welcome's and the status's ``shards``)."""
         return [[s, self.membership[s].address] for s in self.shard_ids]
 
     # ---------------------------------------------------------------- control
@@ -353,7 +354,7 @@ class SchedulerCore:
             if not self.shards_ready and all(self.membership[s].state in UP for s in self.shard_ids):
                 self.shards_ready = True
                 self._events.append(ShardsReady())
-            return Admitted({"shards": self._shard_addresses() if self.shards_ready else []})
+            return Admitted({"shards": self.shard_addresses() if self.shards_ready else []})
         # A worker is held until every shard has joined (its welcome lists them). It re-sends its
         # join every few seconds meanwhile; only the newest one is admitted, so that held joins do
         # not all wake at once (each would re-run the placement loop's membership hook).
@@ -425,7 +426,7 @@ class SchedulerCore:
         self._move(m, S.LIVE, "admitted")
         if self.t0 is None:
             self.t0 = now
-        info = {"shards": self._shard_addresses(), "worker_index": self.worker_ids.index(m.id),
+        info = {"shards": self.shard_addresses(), "worker_index": self.worker_ids.index(m.id),
                 "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)}
         if self.allreduce:
             info["ring"] = self._ring_info(m.id)

@@ -9,14 +9,15 @@ so no second full copy is ever made, and everything is freed before the test ret
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
 
-from hmp.errors import ProtocolError
+from hmp.errors import ProtocolError, RemoteError
 from hmp.messages import Ack, Kind, Tensors
 from hmp.transport.codec import DEFAULT_FRAME_BYTES, Limits, encode
-from hmp.transport.endpoint import Client, Server
+from hmp.transport.endpoint import Client, Reply, Server
 
 GiB = 1 << 30
 #: Over 2 GiB (past any 32-bit size or offset), a whole number of int64 words and of 64 MiB frames plus a part
@@ -91,3 +92,54 @@ def test_a_message_over_the_limit_is_refused_before_it_is_sent():
     finally:
         del big
         gc.collect()
+
+
+async def test_a_client_refuses_to_send_a_message_over_its_limits(tcp_address):
+    """Client.request with the default limits refuses a 2.125 GiB tensor itself (ProtocolError too_large, naming
+    the limit) before a byte leaves: the server, which would accept it, received nothing; the client goes on."""
+    big = torch.empty(NBYTES, dtype=torch.uint8)  # never written: the refusal must not read it
+
+    async def ok(msg, peer):
+        return Ack(detail="ok")
+
+    try:
+        async with Server(tcp_address, {Kind.TENSORS: ok}, limits=BIG) as srv, \
+                Client(srv.address, timeout_s=10) as client:
+            with pytest.raises(ProtocolError, match=r"over the limit of 1073741824 \(limits\.max_message_bytes\)") \
+                    as info:
+                await client.request(Tensors(name="big", tensors=(big,)))
+            assert info.value.code == "too_large"
+            assert srv.stats["bytes_in"] == 0 and srv.stats["requests"] == 0
+            reply = await client.request(Tensors(name="small", tensors=(torch.ones(4),)))
+            assert reply.detail == "ok" and srv.stats["requests"] == 1 and 16 < srv.stats["bytes_in"] < 1024
+    finally:
+        del big
+        gc.collect()
+
+
+async def test_a_reply_over_the_servers_limits_becomes_an_error_reply(tcp_address):
+    """A handler's reply over the server's limits is not sent: the client gets a too_large error at once (not
+    its timeout) naming the reply, a tracked Reply hears on_sent(False), and the server keeps serving."""
+    limits = Limits(max_message_bytes=1 << 20)
+    told: list[bool] = []
+
+    async def answer(msg, peer):
+        if msg.name == "tracked":
+            return Reply(Tensors(name="back", tensors=(torch.zeros(1 << 20, dtype=torch.int16),)), told.append)
+        return Tensors(name="back", tensors=(torch.zeros(int(msg.tensors[0][0]), dtype=torch.uint8),))
+
+    async with Server(tcp_address, {Kind.TENSORS: answer}, limits=limits, name="S[0]") as srv, \
+            Client(srv.address, limits=BIG, timeout_s=30) as client:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            await client.request(Tensors(name="x", tensors=(torch.tensor([(1 << 20) + 1]),)))
+        assert time.monotonic() - t0 < 5
+        assert info.value.code == "too_large"
+        assert "S[0] could not send its 'tensors' reply" in str(info.value)
+        assert "over the limit of 1048576 (limits.max_message_bytes)" in str(info.value)
+        with pytest.raises(RemoteError, match="could not send") as info:
+            await client.request(Tensors(name="tracked", tensors=(torch.ones(1),)))
+        assert info.value.code == "too_large" and told == [False]
+        reply = await client.request(Tensors(name="x", tensors=(torch.tensor([1 << 20]),)))
+        assert reply.tensors[0].numel() == 1 << 20
+        assert srv.stats["errors"] == 2

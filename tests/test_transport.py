@@ -19,7 +19,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from hmp.errors import EndpointClosed, PeerLost, RemoteError, RequestError, RequestTimeout
+from hmp.errors import EndpointClosed, PeerLost, ProtocolError, RemoteError, RequestError, RequestTimeout
 from hmp.messages import Ack, Error, Heartbeat, Kind, Pull, Tensors
 from hmp.transport import eager as eager_start
 from hmp.transport.codec import DTYPES, Limits, decode, encode
@@ -737,3 +737,77 @@ async def test_an_ipc_address_a_live_server_holds_is_in_use(ipc_address):
     pathlib.Path(ipc_address.removeprefix("ipc://")).touch()  # a stale socket file
     async with Server(ipc_address, {Kind.TENSORS: echo}, name="again") as srv, Client(srv.address) as client:
         assert isinstance(await client.request(Tensors(name="x", tensors=())), Tensors)
+
+
+# ----------------------------------------------------------------------------- hostile input: frame counts
+
+async def test_a_message_of_too_many_frames_is_refused_as_it_is_read(tcp_address):
+    """A request of 6,000 empty data frames to a server allowing 100 is refused too_large with its rid (the
+    header is kept, the extra frames dropped as they are read), and the server goes on serving everyone."""
+    async with Server(tcp_address, HANDLERS, limits=Limits(max_frames=100), name="S[0]") as srv:
+        raw = _Raw(srv.address)
+        try:
+            header = encode(Tensors(name="many", tensors=()), rid=91, sender="raw")[0]
+            await raw.sock.send_multipart([header, *([b""] * 6000)])
+            reply = await raw.recv()
+            assert isinstance(reply, Error) and reply.rid == 91 and reply.code == "too_large"
+            assert "6000 data frames exceed the limit of 100" in reply.message
+            async with Client(srv.address, limits=Limits(max_frames=100)) as good:
+                ok = await good.request(Tensors(name="fine", tensors=tuple(torch.ones(1) for _ in range(100))))
+                assert len(ok.tensors) == 100
+            await raw.send(Tensors(name="again", tensors=()), rid=92)
+            assert (await raw.recv()).name == "again"
+        finally:
+            raw.close()
+        assert srv.stats["errors"] == 1
+
+
+async def test_a_reply_of_too_many_frames_fails_its_request_at_once(tcp_address):
+    """A reply of more frames than the client allows fails the request it answers with too_large (not its
+    timeout); the client's next request is served as usual."""
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with Client(f"tcp://127.0.0.1:{port}", limits=Limits(max_frames=10), timeout_s=30) as client:
+            async def serve(extra: int) -> None:
+                peer, request = (await asyncio.wait_for(router.recv_multipart(), 5))[:2]
+                rid = decode([request]).rid
+                await router.send_multipart([peer, encode(Ack(), rid=rid, sender="raw")[0], *([b""] * extra)])
+
+            for extra, want in ((5000, "too_large"), (0, "ok")):
+                server = asyncio.create_task(serve(extra))
+                t0 = time.monotonic()
+                try:
+                    reply = await client.request(Heartbeat())
+                    got = "ok" if isinstance(reply, Ack) else type(reply).__name__
+                except ProtocolError as exc:
+                    got = exc.code
+                    assert "5000 data frames exceed the limit of 10" in str(exc)
+                await server
+                assert got == want and time.monotonic() - t0 < 5
+    finally:
+        router.close(linger=0)
+
+
+async def test_messages_past_the_turns_part_budget_are_all_read(tcp_address):
+    """One-way messages of 8 parts each fill the reader's per-turn part budget exactly at a message boundary;
+    every one is still served, without any further traffic to wake the reader."""
+    seen = []
+
+    async def count(msg, peer):
+        seen.append(msg.name)
+
+    async with Server(tcp_address, {Kind.TENSORS: count}) as srv:
+        raw = _Raw(srv.address)
+        try:
+            for i in range(1000):  # routing id, header and 6 one-element tensors: 8 parts
+                await raw.send(Tensors(name=str(i), tensors=tuple(torch.ones(1) for _ in range(6))), rid=0)
+            for _ in range(500):
+                if len(seen) == 1000:
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == [str(i) for i in range(1000)]
+        finally:
+            raw.close()

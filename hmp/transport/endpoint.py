@@ -13,6 +13,13 @@
   that suspended, replies waiting for room); at the cap it stops reading its socket, so requests
   queue in libzmq and then in the peers (their sends wait) until a request finishes. Receive
   high-water marks are sized to memory (:func:`hwm_for`), not to a message count.
+* Limits (:class:`~hmp.transport.codec.Limits`, both sides): a client refuses to send what a
+  receiver with its limits would refuse (``ProtocolError`` ``too_large``, raised by ``send`` and
+  ``request`` before anything leaves), and a server answers a handler's reply over them with an
+  ``Error`` of that code instead. Receiving, parts are read a bounded number per turn of the loop
+  and a message of more than ``limits.max_frames`` data frames is dropped as it is read and
+  refused ``too_large`` (:mod:`hmp.transport.guard`); after refusing a message of 64 MiB or more a
+  server gives the memory back to the OS (at most once a second).
 * Trust (docs/protocol.md, "Trust"): a server with a ``job_token`` answers a message whose token
   differs (or is missing) ``unauthorized`` before anything else, then asks ``authorize(msg, peer)``
   (the node's who-may-send-what table) before the handler; with CURVE (``security``, see
@@ -98,6 +105,7 @@ from hmp.transport.codec import (DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, Limits, de
                                  message_tensors)
 from hmp.transport.shm import Arena
 from hmp.transport.eager import start_eager
+from hmp.transport import guard
 from hmp.transport import security as sec
 from hmp.transport.ratelimit import RateLimitedLog
 from hmp.transport.security import Curve, HandshakeFailed
@@ -153,7 +161,6 @@ SEND_HWM = 1024
 # Plain ints: pyzmq's flag enums cost an enum operation per use, and these are used per frame.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -172,6 +179,12 @@ _RELEASE_BATCH = 4096
 
 #: A server that offered no shared memory (none open yet, or disabled) is asked again after this long.
 _SHM_RETRY_S = 10.0
+
+#: A server gives the memory of a refused message back to the OS (guard.release_memory) when the
+#: message held at least this many bytes, at most once per _RELEASE_EVERY_S: the call walks the
+#: heap (~0.5 ms with nothing to give back, ~18 ms for 256 MiB), too dear per small message.
+_RELEASE_AFTER_BYTES = 64 << 20
+_RELEASE_EVERY_S = 1.0
 
 
 def _arena_of(option: Arena | bool | None) -> Arena | None:
@@ -269,15 +282,20 @@ class _Channel:
     """A synchronous zmq socket driven by the running loop (see the module docstring).
 
     ``on_message(parts)`` gets each received multipart message: the first ``copied`` parts as
-    ``bytes`` (routing id, header: small), the rest as zero-copy ``zmq.Frame``. ``pause()``
-    stops reading (messages queue in libzmq, then in the peers) until ``resume()``.
+    ``bytes`` (routing id, header: small), the rest as zero-copy ``zmq.Frame``. Parts are read by a
+    :class:`hmp.transport.guard.PartReader` (a bounded number per turn of the loop): a message of
+    more than ``head`` leading parts plus ``limits.max_frames`` goes to ``on_overlong(overlong)``
+    instead, with only its first ``head`` parts kept. ``pause()`` stops reading (messages queue in
+    libzmq, then in the peers) until ``resume()``.
     """
 
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[Any]], None], copied: int) -> None:
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[Any]], None],
+                 on_overlong: Callable[[guard.Overlong], None], copied: int, limits: Limits, head: int) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self._on_message = on_message
-        self._copied = copied
+        self._on_overlong = on_overlong
+        self._reader = guard.PartReader.for_limits(sock, copied, limits, head=head)
         self._fd = sock.getsockopt(zmq.FD)
         self._scheduled = False
         self._closed = False
@@ -307,28 +325,30 @@ class _Channel:
             return
         if self._changed is not None:  # a send waiting for room: the socket's state changed
             _wake(self._changed)
-        sock, copied = self.sock, self._copied
         if self.paused:
             # Not reading, but the FD must be reset (reading ZMQ_EVENTS processes libzmq's
             # pending commands): it is level-triggered for the loop and would fire in a spin.
             with contextlib.suppress(zmq.ZMQError):
-                sock.get(_EVENTS)
+                self.sock.get(_EVENTS)
             return
+        reader = self._reader
+        reader.turn()
         for _ in range(_BURST):
             try:
-                parts = [sock.recv(_NOBLOCK)]
-            except zmq.Again:
-                return
+                got = reader.read()
             except zmq.ZMQError as exc:  # context terminated under us: nothing more will come
                 log.warning("reader_stopped", error=str(exc))
                 self.close()
                 return
-            # Once the first part is readable, the whole multipart message is (libzmq delivers
-            # messages atomically), so NOBLOCK never fails below.
-            while sock.get(_RCVMORE):
-                parts.append(sock.recv(_NOBLOCK, copy=len(parts) < copied))
+            if got is None:
+                if reader.spent:  # the turn's budget ran out (maybe mid-message): go on next turn
+                    self._schedule()
+                return
             try:
-                self._on_message(parts)
+                if type(got) is list:
+                    self._on_message(got)
+                else:
+                    self._on_overlong(got)
             except Exception:  # a bug in one message's handling must not stop the reader
                 log.exception("on_message_failed")
             if self.paused or self._closed:
@@ -461,7 +481,10 @@ class Server:
         self._inflight: set[asyncio.Task] = set()
         self._closing = False
         self.stats = {"requests": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0, "replies": 0,
-                      "unanswered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0, "unauthorized": 0}
+                      "unanswered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0, "unauthorized": 0,
+                      "memory_releases": 0}
+        self._release_pending = False  # a release_memory call is scheduled
+        self._released_at = -_RELEASE_EVERY_S  # loop time of the last one
         self.log = log.bind(node=name)
         self.warnings = RateLimitedLog(self.log)
         #: shared memory: an Arena, False (none), or None (the process arena when a peer asks)
@@ -512,7 +535,8 @@ class Server:
                 sec.release_authenticator(self._ctx)
             raise
         # With CURVE the header stays a frame: its User-Id property names the sender's key.
-        self._chan = _Channel(sock, self._on_message, copied=1 if self.curve is not None else 2)
+        self._chan = _Channel(sock, self._on_message, self._on_overlong, copied=1 if self.curve is not None else 2,
+                              limits=self.limits, head=2)
         if self.curve is not None:  # clients that fail the handshake never reach _on_message: say so here
             self._watch = sec.HandshakeWatch(sock, lambda why: self.warnings.warning(
                 "curve_handshake_failed", "handshake_failed", address=self.address, error=why), sec.SERVER_FAILURES)
@@ -528,7 +552,8 @@ class Server:
             except zmq.ZMQError:
                 user = ""
             body[0] = body[0].bytes
-        stats["bytes_in"] += len(body[0]) if len(body) == 1 else sum(len(f) for f in body)
+        nbytes = len(body[0]) if len(body) == 1 else sum(len(f) for f in body)
+        stats["bytes_in"] += nbytes
         if self._closing:
             self._answer_error(peer, frame_error_rid(body) if body else 0, "shutting_down",
                                f"{self.name} is shutting down")
@@ -539,6 +564,8 @@ class Server:
             stats["errors"] += 1
             self.warnings.warning("bad_message", exc.code, peer=peer.hex(), error=str(exc))
             self._answer_error(peer, frame_error_rid(body) if body else 0, exc.code, str(exc))
+            if exc.code == "too_large" and nbytes >= _RELEASE_AFTER_BYTES:
+                self._release_memory_soon()
             return
         why = None
         if self.job_token and msg.job_token != self.job_token:
@@ -575,6 +602,39 @@ class Server:
         task = start_eager(coro, chan.loop)
         if task is not None:
             self._track(task)
+
+    def _on_overlong(self, m: guard.Overlong) -> None:
+        """A message of more frames than ``limits.max_frames``: its extra frames were dropped unread
+        (:class:`hmp.transport.guard.PartReader`); refused ``too_large`` like any other."""
+        peer, body = m.head[0], m.head[1:]
+        exc = guard.overlong_error(m, 2, self.limits)
+        self.stats["bytes_in"] += m.nbytes - len(peer)
+        self.stats["errors"] += 1
+        self.warnings.warning("bad_message", exc.code, peer=peer.hex(), error=str(exc))
+        self._answer_error(peer, frame_error_rid(body) if body else 0, exc.code, str(exc))
+        if m.nbytes >= _RELEASE_AFTER_BYTES:
+            self._release_memory_soon()
+
+    def _release_memory_soon(self) -> None:
+        """Give a refused message's memory back to the OS (:func:`hmp.transport.guard.release_memory`):
+        from a later callback, once the reader has dropped its frames (never from the one that
+        refused it), and at most once per :data:`_RELEASE_EVERY_S`; a refusal meanwhile is covered by
+        the call already scheduled."""
+        chan = self._chan
+        if self._release_pending or chan is None:
+            return
+        self._release_pending = True
+        wait = self._released_at + _RELEASE_EVERY_S - chan.loop.time()
+        if wait > 0:
+            chan.loop.call_later(wait, self._release_memory)
+        else:
+            chan.loop.call_soon(self._release_memory)
+
+    def _release_memory(self) -> None:
+        self._release_pending = False
+        self._released_at = asyncio.get_running_loop().time()
+        guard.release_memory()
+        self.stats["memory_releases"] += 1
 
     def _track(self, task: asyncio.Task) -> None:
         self._inflight.add(task)
@@ -706,7 +766,24 @@ class Server:
             if chan is None:
                 raise EndpointClosed(f"{self.name} is closed")
             locate, arena, who = self._reply_locate(peer, held)
-            frames = encode(msg, self.frame_bytes, rid=rid, sender=self.name, locate=locate)
+            try:
+                frames = encode(msg, self.frame_bytes, rid=rid, sender=self.name, locate=locate, limits=self.limits)
+            except ProtocolError as exc:
+                # A reply the client would refuse (too_large), or none can encode (bad_device, ...):
+                # say so now, rather than leave the client to wait out its timeout.
+                self.stats["errors"] += 1
+                self.warnings.warning("reply_not_encoded", exc.code, kind=msg.kind.value, error=str(exc))
+                if held:
+                    assert arena is not None
+                    arena.release(held, who)
+                    held.clear()
+                tracked_error = tracked
+                tracked = None  # nothing of the handler's goes out: told on_sent(False) below
+                if tracked_error is not None:
+                    _notify(tracked_error, False)
+                frames = encode(Error(code=exc.code, message=f"{self.name} could not send its {msg.kind.value!r} "
+                                                             f"reply: {exc}"), self.frame_bytes, rid=rid,
+                                sender=self.name)
             if held:
                 assert arena is not None
                 arena.hold(held, who)  # before the send: the peer may release as soon as it has the reply
@@ -853,13 +930,24 @@ class Client:
                 self._watch = None
             sock.close(linger=0)
             raise
-        self._chan = _Channel(sock, self._on_message, copied=1)
+        self._chan = _Channel(sock, self._on_message, self._on_overlong, copied=1, limits=self.limits, head=1)
         self._loop = self._chan.loop
 
     @property
     def shm_active(self) -> bool:
         """Whether shared memory is in use with this server (after a successful handshake)."""
         return self._link is not None
+
+    def _on_overlong(self, m: guard.Overlong) -> None:
+        """A reply of more frames than ``limits.max_frames`` (its extra frames dropped unread): the
+        request it answers fails with ``too_large``."""
+        exc = guard.overlong_error(m, 1, self.limits)
+        rid = frame_error_rid(m.head)
+        self.stats["bytes_in"] += m.nbytes - len(m.head[0])
+        self.warnings.warning("bad_reply", exc.code, error=str(exc), rid=rid)
+        fut = self._pending.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     def _on_message(self, frames: list[Any]) -> None:
         if len(frames) > 1:
@@ -891,7 +979,7 @@ class Client:
         if self._chan is None:
             raise EndpointClosed(f"{self.name} is closed")
         frames = encode(msg, self.frame_bytes, rid=rid, sender=sender, locate=locate,
-                        job_token=self.job_token or None)
+                        job_token=self.job_token or None, limits=self.limits)
         if len(frames) > 1:
             self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
         return await self._chan.send(frames, track)

@@ -46,10 +46,12 @@ FRAME_SLACK = 4096
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Overlong:
-    """A message with more parts than allowed: its first parts (as read) and how many it had."""
+    """A message with more parts than allowed: its first parts (as read), how many it had, and the bytes of
+    all of them (what the receiver held for it: see :func:`release_memory`)."""
 
     head: list[Any]
     parts: int
+    nbytes: int = 0
 
 
 class PartReader:
@@ -58,10 +60,10 @@ class PartReader:
     ``read()`` returns the next message's parts (the first ``copied`` as ``bytes``, the rest as
     zero-copy ``zmq.Frame``), an :class:`Overlong` for a message of more than ``max_parts`` parts
     (keeping its first ``head`` parts, by default ``copied``),
-    or None: nothing to read (``zmq.Again``), or this turn's budget ran out in the middle of a
-    message (then ``mid_message`` is True and the caller must call again on a later turn: libzmq
-    signals nothing new for the parts it already holds). ``turn()`` starts a new budget. Only this
-    reader may receive on the socket; sends in between are fine.
+    or None: nothing to read (``zmq.Again``), or this turn's budget ran out (then ``spent`` is True,
+    and ``mid_message`` too when it ran out in the middle of a message; either way the caller must
+    call again on a later turn: libzmq signals nothing new for what it already holds). ``turn()``
+    starts a new budget. Only this reader may receive on the socket; sends in between are fine.
     """
 
     def __init__(self, sock: zmq.Socket, copied: int, max_parts: int, parts_per_turn: int = PARTS_PER_TURN, *,
@@ -77,6 +79,7 @@ class PartReader:
         self._left = parts_per_turn
         self._parts: list[Any] | None = None  # the message being read (None: between messages)
         self._count = 0  # its parts so far, kept or not
+        self._dropped = 0  # the bytes of its parts past max_parts
         self.overlong = 0  #: over-long messages read so far
 
     @classmethod
@@ -92,39 +95,53 @@ class PartReader:
         """True when the last ``read()`` stopped inside a message (call again on a later turn)."""
         return self._parts is not None
 
+    @property
+    def spent(self) -> bool:
+        """True when this turn's budget is used up: a ``read()`` returning None may have left messages
+        unread (libzmq signals nothing new for them), so the caller must call again on a later turn."""
+        return self._left <= 0
+
     def turn(self) -> None:
         """Start a new turn's budget of ``parts_per_turn`` parts."""
         self._left = self.parts_per_turn
 
     def read(self) -> list[Any] | Overlong | None:
+        # The hot receive path: every message passes here, so the counters live in locals and go
+        # back to the instance only where the call returns.
         sock = self.sock
         parts = self._parts
+        left = self._left
         if parts is None:
-            if self._left <= 0:
+            if left <= 0:
                 return None
             try:
                 first = sock.recv(_NOBLOCK, copy=self.copied > 0)
             except zmq.Again:
                 return None
-            self._left -= 1
-            parts, self._count = [first], 1
+            left -= 1
+            parts, count, dropped = [first], 1, 0
+        else:
+            count, dropped = self._count, self._dropped
         # Once the first part is readable the whole message is (libzmq delivers messages
         # atomically), so NOBLOCK never fails below.
         copied, keep = self.copied, self.max_parts
-        while sock.get(_RCVMORE):
-            if self._left <= 0:
-                self._parts = parts
+        recv, get = sock.recv, sock.get
+        while get(_RCVMORE):
+            if left <= 0:
+                self._parts, self._count, self._dropped, self._left = parts, count, dropped, 0
                 return None
-            self._left -= 1
-            part = sock.recv(_NOBLOCK, copy=self._count < copied)
-            self._count += 1
-            if self._count <= keep:
+            left -= 1
+            part = recv(_NOBLOCK, copy=count < copied)
+            count += 1
+            if count <= keep:
                 parts.append(part)
-            # else: dropped here, its buffer freed with it
+            else:  # dropped here, its buffer freed with it
+                dropped += len(part)
+        self._left = left
         self._parts = None
-        if self._count > keep:
+        if count > keep:
             self.overlong += 1
-            return Overlong(parts[:self.head], self._count)
+            return Overlong(parts[:self.head], count, dropped + sum(len(p) for p in parts))
         return parts
 
 

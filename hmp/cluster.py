@@ -12,7 +12,8 @@ runs (SIGTERM, then SIGKILL after a grace period), so no process outlives the cl
 
 Workers are elastic (docs/architecture.md, "Elastic workers"): a worker that exits non-zero or is killed
 while the job runs is started again (same id, a new process; its log ``<id>.<n>.log``) while its role's
-``[job] restarts`` allows, and rejoins the job; :attr:`LocalCluster.restarts` lists each restart. Past
+``[job] restarts`` allows, and rejoins the job; so does a PS shard (``restarts = {ps = 1}``), which resumes
+from its last checkpoint while the workers wait for it; :attr:`LocalCluster.restarts` lists each restart. Past
 that limit the job goes on without it, the scheduler judging whether enough workers remain (``[train]
 min_workers``); if the job then fails, :class:`JobFailed` names the first worker that exited non-zero.
 
@@ -51,6 +52,7 @@ from hmp.errors import ConfigError, HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
 from hmp.nodes.forkserver import ForkedProcess, ForkServer, ForkServerExited
 from hmp.nodes.forkserver import enabled as forkserver_enabled
+from hmp.transport import security
 from hmp.transport.endpoint import Client
 from hmp.transport.shm import cleanup_stale
 
@@ -58,10 +60,11 @@ _log = structlog.get_logger("hmp").bind(role="launcher")
 
 START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
 
-#: The status relay on emulated hosts: ``python -c _RELAY SCHEDULER_ADDRESS`` inside the scheduler's host.
-#: It prints ``{"ready": true}``, then answers each request line ``{"id", "op": "status" | "finish",
-#: "timeout_s", "reason"}`` with ``{"id", "state"}`` or ``{"id", "error", "timeout"}``; it exits at
-#: the end of its stdin (the launcher closed it, or died).
+#: The status relay on emulated hosts: ``python -c _RELAY SCHEDULER_ADDRESS KEY_DIR HANDSHAKE_TIMEOUT_S`` inside
+#: the scheduler's host (``KEY_DIR``: the absolute key folder, whose ``launcher`` key it dials with, when
+#: CURVE is on; "" when off). It prints ``{"ready": true}``, then answers each request line ``{"id", "op":
+#: "status" | "finish", "timeout_s", "reason"}`` with ``{"id", "state"}`` or ``{"id", "error", "timeout"}``;
+#: it exits at the end of its stdin (the launcher closed it, or died).
 _RELAY = r"""
 import asyncio, json, os, sys
 out = os.fdopen(os.dup(1), "w")  # the channel to the launcher; anything else printed goes to stderr
@@ -69,12 +72,17 @@ os.dup2(2, 1)
 from hmp.errors import HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
 from hmp.transport.endpoint import Client
+from hmp.transport.security import Curve
 
-async def main(address):
+async def main(address, key_dir, handshake_timeout_s):
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    client = Client(address, name="launcher", timeout_s=5.0, job_token=os.environ.get("HMP_JOB_TOKEN", ""))
+    curve = False
+    if key_dir:
+        curve = Curve.load(key_dir, "launcher", serve=False, handshake_timeout_s=float(handshake_timeout_s))
+    client = Client(address, name="launcher", timeout_s=5.0, job_token=os.environ.get("HMP_JOB_TOKEN", ""),
+                    security=curve)
     await client.connect()
     out.write('{"ready": true}\n'); out.flush()
     try:
@@ -93,7 +101,7 @@ async def main(address):
     finally:
         await client.close()
 
-asyncio.run(main(sys.argv[1]))
+asyncio.run(main(*sys.argv[1:4]))
 """
 
 
@@ -134,20 +142,24 @@ class LocalCluster:
         self.job_token = self.env.get("HMP_JOB_TOKEN") or self.cfg.job.token or secrets.token_hex(16)
         self.env["HMP_JOB_TOKEN"] = self.job_token
         self.cfg = self.cfg.replace(job=dataclasses.replace(self.cfg.job, token=self.job_token))
+        # With [security] curve, this process's own requests (status, finish) go with the launcher's key
+        # (a missing key file is a ConfigError here, before any daemon starts); None: plain.
+        self._launcher_security = security.from_config(self.cfg, "launcher", serve=False)
         self.resume = resume
         self.grace_s = grace_s
-        bad = {r: n for r, n in self.cfg.job.restarts.items() if r not in WORKER_ROLES and n}
+        bad = {r: n for r, n in self.cfg.job.restarts.items() if r not in (*WORKER_ROLES, Role.PS) and n}
         if bad:
             raise ConfigError(self.cfg.path, "job.restarts",
-                              f"restart counts for worker roles only ({', '.join(sorted(WORKER_ROLES))}): restarting "
-                              f"a PS shard or the scheduler mid-job is not supported yet; got "
+                              f"restart counts for {', '.join(sorted(WORKER_ROLES))} and ps only: restarting "
+                              f"the scheduler mid-job is not supported yet; got "
                               f"{', '.join(f'{r} = {n}' for r, n in sorted(bad.items()))}")
         #: restarts of crashed workers so far, one ``{node, t, exit_code, attempt, log}`` each (``t``: seconds
         #: since start())
         self.restarts: list[dict[str, Any]] = []
         #: workers that exited non-zero and were not restarted: ``{node: exit code}``
         self.worker_exits: dict[str, int] = {}
-        self._restarts_left = {n.id: int(self.cfg.job.restarts.get(n.role, 0)) for n in self.cfg.workers}
+        self._restarts_left = {n.id: int(self.cfg.job.restarts.get(n.role, 0))
+                               for n in (*self.cfg.workers, *self.cfg.shards)}
         self._log_paths: dict[str, Path] = {}
         self._t_start = time.monotonic()
         self._stopping = False
@@ -177,11 +189,12 @@ class LocalCluster:
             for node in self.cfg.by_role(role):
                 await self._start_node(node.id)
 
-    async def _start_node(self, node_id: str, log_name: str = "") -> None:
-        """Start daemon ``node_id`` (again, for a restart: its log then goes to ``log_name``)."""
+    async def _start_node(self, node_id: str, log_name: str = "", resume: bool = False) -> None:
+        """Start daemon ``node_id`` (again, for a restart: its log then goes to ``log_name``; a shard
+        restarted mid-job resumes from its checkpoint)."""
         node = self.cfg.node(node_id)
         args = [node.role, "--config", self.config_path, "--id", node.id]
-        if node.role == Role.PS and self.resume:
+        if node.role == Role.PS and (self.resume or resume):
             args.append("--resume")
         log = self._log_paths[node.id] = self.log_dir / (log_name or f"{node.id}.log")
         if forkserver_enabled():  # a fork of a process that has imported torch already (docs/architecture.md)
@@ -199,19 +212,20 @@ class LocalCluster:
         self.procs[node.id] = await asyncio.create_subprocess_exec(
             *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
 
-    async def _restart_worker(self, node_id: str, code: int) -> bool:
-        """Start a crashed worker again if its role's ``[job] restarts`` allows and the job still runs."""
+    async def _restart_node(self, node_id: str, code: int) -> bool:
+        """Start a crashed worker or shard again if its role's ``[job] restarts`` allows and the job still runs."""
         scheduler = self.procs.get(self.cfg.scheduler.id)
         if self._stopping or self._restarts_left.get(node_id, 0) < 1 or scheduler is None \
                 or scheduler.returncode is not None:
             return False
         self._restarts_left[node_id] -= 1
         attempt = sum(1 for r in self.restarts if r["node"] == node_id) + 1
-        await self._start_node(node_id, log_name=f"{node_id}.{attempt}.log")
+        await self._start_node(node_id, log_name=f"{node_id}.{attempt}.log",
+                               resume=self.cfg.node(node_id).role == Role.PS)
         entry = {"node": node_id, "t": round(time.monotonic() - self._t_start, 3), "exit_code": code,
                  "attempt": attempt, "log": str(self._log_paths[node_id])}
         self.restarts.append(entry)
-        _log.warning("worker_restarted", **entry, restarts_left=self._restarts_left[node_id])
+        _log.warning("node_restarted", **entry, restarts_left=self._restarts_left[node_id])
         return True
 
     async def _fork(self, host: str, args: list[str], log: str) -> ForkedProcess:
@@ -251,7 +265,7 @@ class LocalCluster:
         if self._status_client is None:
             s = self.cfg.scheduler
             self._status_client = Client(s.advertise or s.bind, name="launcher", timeout_s=timeout_s,
-                                         job_token=self.job_token)
+                                         job_token=self.job_token, security=self._launcher_security or False)
             await self._status_client.connect()
         try:
             reply = await self._status_client.request(Status(), timeout_s=timeout_s)
@@ -274,8 +288,13 @@ class LocalCluster:
                     nid, code = waits[t], t.result()
                     if code == 0:
                         continue
+                    if self.cfg.node(nid).role == Role.PS and await self._restart_node(nid, code):
+                        t2 = asyncio.create_task(self.procs[nid].wait())  # it resumes from its checkpoint
+                        waits[t2] = nid
+                        pending.add(t2)
+                        continue
                     if self.cfg.node(nid).role in WORKER_ROLES:
-                        if await self._restart_worker(nid, code):
+                        if await self._restart_node(nid, code):
                             t2 = asyncio.create_task(self.procs[nid].wait())
                             waits[t2] = nid
                             pending.add(t2)
@@ -335,7 +354,10 @@ class LocalCluster:
                                     ready_s: float) -> dict[str, Any] | None:
         assert self.hosts is not None
         if self._relay is None:
-            argv = self.hosts.command(self.cfg.scheduler.host, [sys.executable, "-c", _RELAY, self._scheduler_address])
+            curve = self._launcher_security
+            argv = self.hosts.command(self.cfg.scheduler.host, [
+                sys.executable, "-c", _RELAY, self._scheduler_address, str(curve.key_dir.resolve()) if curve else "",
+                str(curve.handshake_timeout_s if curve else 0.0)])
             logf = self._logs.get("status-relay") or open(self.log_dir / "status-relay.log", "wb")  # noqa: SIM115
             self._logs["status-relay"] = logf  # closed in stop()
             self._relay = await asyncio.create_subprocess_exec(

@@ -378,8 +378,9 @@ def _port(address: str) -> int:
 def topology_on_hosts(config_path: str | os.PathLike, nodes: Sequence[Any], address: dict[str, str]) -> str:
     """The config file ``config_path`` as TOML text in which each node (``nodes``: its validated
     ``[[nodes]]``, in file order) binds ``tcp://<its host's address>:<its port>`` (port 0 stays 0, and
-    the node advertises what it bound; a fixed port is advertised as is), and relative data paths are
-    made absolute (the text is written somewhere else). ``address``: host name -> address."""
+    the node advertises what it bound; a fixed port is advertised as is), and relative data paths and
+    ``[security] key_dir`` are made absolute (the text is written somewhere else, and both are relative
+    to the config file's folder). ``address``: host name -> address."""
     path = Path(config_path)
     raw = tomllib.loads(path.read_text())
     raw_nodes = raw.get("nodes", [])
@@ -391,9 +392,9 @@ def topology_on_hosts(config_path: str | os.PathLike, nodes: Sequence[Any], addr
         table["bind"] = f"tcp://{address[n.host]}:{port}"
         table["advertise"] = table["bind"] if port else ""
     data = raw.get("data", {})
-    for key in ("path", "test_path"):
-        if data.get(key) and not Path(data[key]).is_absolute():
-            data[key] = str(path.resolve().parent / data[key])
+    for table, key in ((data, "path"), (data, "test_path"), (raw.get("security", {}), "key_dir")):
+        if table.get(key) and not Path(table[key]).is_absolute():
+            table[key] = str(path.resolve().parent / table[key])
     text = f"# {path} with every daemon bound to its emulated host's address (hmp.emulate)\n" + dumps_toml(raw)
     if tomllib.loads(text) != raw:  # the writer below knows only what config files hold
         raise ConfigError(str(path), "<file>", "values that hmp.emulate.dumps_toml can write back")

@@ -45,6 +45,7 @@ class Kind(enum.Enum):
     SUBMIT = "submit"
     DROP = "drop"
     DISCOVER = "discover"
+    SHARDS = "shards"
     # data
     INIT = "init"
     PUSH = "push"
@@ -63,7 +64,7 @@ class Kind(enum.Enum):
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
                        Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE, Kind.SUBMIT,
-                      Kind.DROP, Kind.DISCOVER})
+                      Kind.DROP, Kind.DISCOVER, Kind.SHARDS})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -111,6 +112,8 @@ class Message:
             if f.name in ENVELOPE_FIELDS:
                 continue
             v = getattr(self, f.name)
+            if f.metadata.get("quiet") and v == f.default:  # an optional field not in use
+                continue
             if isinstance(v, torch.Tensor):
                 parts.append(f"{f.name}={_short_tensor(v)}")
             elif isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor):
@@ -339,6 +342,19 @@ class Discover(Message):
     ps: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+@message(Kind.SHARDS)
+class Shards(Message):
+    """Scheduler -> worker: a PS shard went down or came back (docs/protocol.md, "Shard restarts").
+    ``shards`` is ``[[id, address], ...]`` in shard-index order (a restarted shard's new address);
+    ``down`` the shards lost and expected back (pushes to them wait); ``epoch`` counts these changes,
+    so that an older one arriving late is ignored. Answered by :class:`Ack`. On it a worker abandons
+    its pushes in flight and sends them again, with the same ``seq``, once no shard is down."""
+
+    shards: tuple[tuple[str, str], ...] = ()
+    down: tuple[str, ...] = ()
+    epoch: int = 0
+
+
 # ----------------------------------------------------------------------------- data kinds
 
 @message(Kind.INIT)
@@ -352,12 +368,18 @@ class Init(Message):
 @message(Kind.PUSH)
 class Push(Message):
     """Worker -> shard: gradients for chunks ``keys``, computed at parameter version ``version``
-    from ``samples`` examples. Answered by :class:`Params` with the chunks' new values."""
+    from ``samples`` examples. Answered by :class:`Params` with the chunks' new values.
+
+    ``seq`` (0: none): the sender's push number, increasing across its pushes and its restarts (a
+    worker starts from its start time in microseconds). A shard applies a push whose ``seq`` is not
+    above the last one it applied from that sender only once: a retried push (its reply was lost
+    with a crashed shard) is answered with the current values and not applied again."""
 
     keys: tuple[int, ...]
     grads: tuple[Tensor, ...]
     version: int = 0
     samples: int = 0
+    seq: int = dataclasses.field(default=0, metadata={"quiet": True})  # not in reprs while 0
 
 
 @message(Kind.PULL)

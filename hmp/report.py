@@ -25,6 +25,11 @@ class RunReport:
     membership: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: examples handed out again because the worker holding them was gone (first-come-first-served jobs)
     work_redone: int = 0
+    #: PS shards restarted while the job ran (``--resume``): ``{node, t, pid, was_pid, address, was_address,
+    #: version_before, resumed_version, updates_lost}``; ``version_before`` is its version before the crash as last
+    #: known (its heartbeats, the workers' last replies from it), ``resumed_version`` its checkpoint's, ``updates_lost`` the difference
+    #: (None until the restarted shard's first heartbeat)
+    shard_restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def _worker(self, worker_id: str) -> dict[str, Any]:
         return self.workers.setdefault(worker_id, {"series": [], "final": {}})
@@ -56,7 +61,8 @@ class RunReport:
     def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
                 "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "rings": self.rings,
-                "membership": self.membership, "work_redone": self.work_redone, "workers": self.summary(),
+                "membership": self.membership, "work_redone": self.work_redone,
+                "shard_restarts": self.shard_restarts, "workers": self.summary(),
                 "series": {w: d["series"] for w, d in self.workers.items()}}
 
 

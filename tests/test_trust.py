@@ -294,3 +294,89 @@ async def test_keygen_and_missing_keys_are_clear_errors(tmp_path, capsys):
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, lines
     assert "security.key_dir" in lines[0] and str(keys / "ps1.key_secret") in lines[0], lines
+
+
+CURVE_SECTION = '\n[security]\ncurve = true\nkey_dir = "keys"\nhandshake_timeout_s = 1.0\n'
+
+
+async def _status_until(cluster: LocalCluster, ok, timeout_s: float = 90.0) -> dict:
+    """The cluster's status (LocalCluster.status(), the launcher's own socket) once ``ok(state)``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = await cluster.status()
+        if state and ok(state):
+            return state
+        await asyncio.sleep(0.2)
+    pytest.fail(f"LocalCluster.status() did not show the job going within {timeout_s} s")
+
+
+def _updates(state: dict, worker: str = "cpu0") -> int:
+    return state.get("workers", {}).get(worker, {}).get("updates", 0)
+
+
+async def test_with_curve_the_launcher_and_an_api_client_reach_the_job(tmp_path):
+    """[security] curve = true: LocalCluster.status() answers during the job and finish() ends it with a report
+    (the launcher's key); a PSClient with its own client key (PSClient.from_config reads it from key_dir) pulls
+    the shards' parameters; one with a key the job never issued, or with another job's keys, fails with
+    HandshakeFailed within the handshake timeout."""
+    from hmp.client import PSClient
+    from hmp.job import sharded_model
+    from hmp.keygen import main as keygen
+    from hmp.transport.security import Curve, HandshakeFailed
+
+    path = write_config(tmp_path, fixed_ps_ports=True, target=1.0, epochs=1000, max_seconds=90, workers="cpu")
+    path.write_text(path.read_text() + CURVE_SECTION)
+    keys = tmp_path / "keys"
+    assert keygen([str(keys), "--config", str(path), "--client", "api"]) == 0
+    other_job = _keys(tmp_path / "other-job", "api")
+    unissued = _keys(tmp_path / "unissued", "api")
+    (unissued / "server.key").write_bytes((keys / "server.key").read_bytes())  # the job's server, not its key
+    cfg = load(path)
+    shards = [(s.id, s.bind) for s in cfg.shards]
+    async with LocalCluster(cfg) as cluster:
+        await _status_until(cluster, lambda st: _updates(st) > 0)
+        async with PSClient.from_config(cluster.cfg, shards, name="api") as ps:
+            await ps.pull()
+        assert ps.version > 0  # the workers' updates, read over CURVE
+        for folder in (unissued, other_job):
+            wrong = PSClient(sharded_model(cfg), shards, name="api", cfg=cluster.cfg, shm=False,
+                             security=Curve.load(folder, "api", serve=False, handshake_timeout_s=1.0))
+            t0 = time.monotonic()
+            async with wrong:
+                with pytest.raises(HandshakeFailed) as failed:
+                    await wrong.pull()
+            assert time.monotonic() - t0 < 1.0 + 1.5, folder
+            assert "CURVE handshake" in str(failed.value) and any(a in str(failed.value) for _, a in shards)
+        assert _updates(await _status_until(cluster, lambda st: True)) > 0  # still serving the launcher
+        await cluster.finish("the test is done")
+        report = await cluster.train(timeout_s=60)
+    assert "the test is done" in report["final"]["stop_reason"]
+    assert all(p.returncode == 0 for p in cluster.procs.values())
+
+
+async def test_with_curve_status_and_finish_reach_a_scheduler_on_an_emulated_host(tmp_path):
+    """CURVE on emulated hosts, with a key_dir relative to the config: the daemons (reading the derived config in
+    a temporary folder) find their keys, and status() and finish() go through the relay with the launcher's key."""
+    from hmp.emulate import EmulationUnavailable
+    from hmp.keygen import main as keygen
+
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text("[network]\nsubnet = '10.231.31.0/24'\n" + "".join(
+        f"\n[[hosts]]\nname = '{n}'\nbandwidth_mbit = 1000\ndelay_ms = 0.0\n" for n in ("a", "b")))
+    path = write_config(tmp_path, target=1.0, epochs=1000, max_seconds=90, workers="cpu")
+    text = path.read_text() + CURVE_SECTION
+    for nid, host in (("scheduler", "a"), ("ps0", "a"), ("ps1", "b"), ("cpu0", "b")):
+        text = text.replace(f'id = "{nid}"\n', f'id = "{nid}"\nhost = "{host}"\n')
+    path.write_text(text)
+    assert keygen([str(tmp_path / "keys"), "--config", str(path)]) == 0
+    cluster = LocalCluster(load(path), hosts=hosts, grace_s=5)
+    try:
+        async with cluster:
+            await _status_until(cluster, lambda st: _updates(st) > 3, timeout_s=120)
+            await cluster.finish("the test is done", timeout_s=10.0)
+            report = await cluster.train(timeout_s=60)
+    except EmulationUnavailable as exc:
+        pytest.skip(f"no emulated hosts here: {exc}")
+    assert "the test is done" in report["final"]["stop_reason"]
+    assert all(p.returncode == 0 for p in cluster.procs.values())
+    assert '"curve": true' in (tmp_path / "run" / "logs" / "ps1.log").read_text()

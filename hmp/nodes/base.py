@@ -61,6 +61,7 @@ SENDERS: dict[Kind, frozenset[str]] = {
     Kind.STAGE_ASSIGN: frozenset({"scheduler"}),
     Kind.RING_ASSIGN: frozenset({"scheduler"}),
     Kind.DROP: frozenset({"scheduler"}),
+    Kind.SHARDS: frozenset({"scheduler"}),
     Kind.JOIN: frozenset({"member"}),
     Kind.HEARTBEAT: frozenset({"member"}),
     # A leave is always the sender's own (it names nobody else). To the scheduler only a member leaves the

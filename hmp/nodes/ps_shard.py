@@ -10,6 +10,15 @@ updates, and once more on the way out (stopped, job over, scheduler lost). A fai
 (file and OS error) and the shard goes on with its previous checkpoint; ``--resume`` falls back to
 the checkpoint before a damaged one (:meth:`ShardCore.resume`).
 
+Restarts (docs/protocol.md, "Shard restarts"): a shard started again with ``--resume`` while its
+job runs joins as before; the scheduler admits it, tells the workers its new address, and they send
+their pushes in flight again with the same ``seq``. A push this shard applied already (its ``seq`` is
+not above the last one applied from that worker) is answered with the current values and not
+applied again; a sync contribution already in the round in progress waits for the round. The
+restarted shard's welcome lists the workers still in the job (``workers``): the others are not
+waited for. ``step`` (the heartbeats') is the shard's version, so that the scheduler knows how many
+updates a crash lost.
+
 Membership: a worker's ``leave`` or the scheduler's ``drop`` takes it out of sync rounds and SSP
 bounds (a round waiting only for it completes at once); a worker that was taken out and pushes
 again is counted again.
@@ -52,6 +61,7 @@ class PSShardNode(Node):
         self._keep_previous = True
         if resume:
             self._resume()
+        self.step = self.core.version  # the heartbeats' step: a restart's lost updates are counted from it
         self.log.info("chunks_owned", chunks=len(initial), bytes=sum(t.numel() * t.element_size() for t in initial.values()))
         self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
         self._round_done: asyncio.Future | None = None
@@ -62,8 +72,10 @@ class PSShardNode(Node):
         self._last_attempt_at = time.monotonic()
         self._checkpointing: asyncio.Task | None = None  # the checkpoint being written, if any
         self._departed: set[str] = set()  # workers taken out by leave or drop: counted again if they push
+        # SSP pushes waiting for the bound, by (worker, seq): each resolved True once applied, False if not
+        self._ssp_waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0, "checkpoints": 0, "checkpoint_failures": 0,
-                      "drops": 0}
+                      "drops": 0, "duplicates": 0}
         # A sweep's members are independent: one diverging member's NaN stays in its own slice of
         # every chunk, and refusing the push would stop the others too (its report shows it).
         self.reject_nonfinite = cfg.ps.reject_nonfinite and not cfg.sweep.members
@@ -128,6 +140,28 @@ class PSShardNode(Node):
             raise
         self.stats["pushes"] += 1
         worker = msg.sender
+        seen = self.core.seen(worker, msg.seq)
+        if seen == "applied":  # a retry of a push applied before (its reply was lost): not applied twice
+            self.stats["duplicates"] += 1
+            return self._params(msg.keys)
+        if seen == "pending" and self._round_done is not None and not self._round_done.done():
+            self.stats["duplicates"] += 1  # sync: already in the round in progress; answered with it
+            try:
+                version, values = await asyncio.wait_for(asyncio.shield(self._round_done),
+                                                         self.cfg.limits.request_timeout_s)
+            except TimeoutError:
+                raise RequestError(f"sync round {self.core.version} incomplete after "
+                                   f"{self.cfg.limits.request_timeout_s} s", "timeout") from None
+            return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version)
+        waiting = self._ssp_waiting.get((worker, msg.seq)) if msg.seq else None
+        if waiting is not None:  # a retry of a push still waiting for the SSP bound: answered once it is applied
+            self.stats["duplicates"] += 1
+            try:
+                applied = await asyncio.wait_for(asyncio.shield(waiting), self.cfg.limits.request_timeout_s)
+            except TimeoutError:
+                raise RequestError(f"{worker}'s push {msg.seq} still waits for the SSP bound", "timeout") from None
+            if applied:
+                return self._params(msg.keys)
         if worker in self._departed:  # left or dropped, and pushing again: it came back
             self._departed.discard(worker)
             self.core.add_worker(worker)
@@ -142,7 +176,7 @@ class PSShardNode(Node):
             if self._round_done is None or self._round_done.done():
                 self._round_done = asyncio.get_running_loop().create_future()
             round_done = self._round_done
-            self.core.contribute(worker, msg.keys, msg.grads, msg.samples)
+            self.core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq)
             self._maybe_finish_round()
             try:
                 version, values = await asyncio.wait_for(asyncio.shield(round_done), timeout)
@@ -153,17 +187,32 @@ class PSShardNode(Node):
             return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version)
         else:
             if not self.core.ssp_ready(worker):
-                async with self._changed:
-                    try:
-                        await asyncio.wait_for(self._changed.wait_for(
-                            lambda: self.core.ssp_ready(worker) or self.stopping.is_set()), timeout)
-                    except TimeoutError:
-                        raise RequestError(f"{worker} stayed more than {self.core.staleness} updates ahead for "
-                                           f"{timeout} s", "timeout") from None
-                if not self.core.ssp_ready(worker):
-                    raise RequestError(f"shard {self.id} is stopping; {worker}'s push waited for the SSP bound "
-                                       "and was not applied", "shutting_down")
-            self.core.apply(worker, msg.keys, msg.grads, msg.samples)
+                # A retry of this push (the worker abandoned it when a shard went down) must not be
+                # applied too: it waits for this one (see above).
+                done = asyncio.get_running_loop().create_future()
+                if msg.seq:
+                    self._ssp_waiting[(worker, msg.seq)] = done
+                try:
+                    async with self._changed:
+                        try:
+                            await asyncio.wait_for(self._changed.wait_for(
+                                lambda: self.core.ssp_ready(worker) or self.stopping.is_set()), timeout)
+                        except TimeoutError:
+                            raise RequestError(f"{worker} stayed more than {self.core.staleness} updates ahead "
+                                               f"for {timeout} s", "timeout") from None
+                    if not self.core.ssp_ready(worker):
+                        raise RequestError(f"shard {self.id} is stopping; {worker}'s push waited for the SSP "
+                                           "bound and was not applied", "shutting_down")
+                    self.core.apply(worker, msg.keys, msg.grads, msg.samples, msg.seq)
+                    done.set_result(True)
+                finally:
+                    if not done.done():
+                        done.set_result(False)
+                    if self._ssp_waiting.get((worker, msg.seq)) is done:
+                        del self._ssp_waiting[(worker, msg.seq)]
+            else:
+                self.core.apply(worker, msg.keys, msg.grads, msg.samples, msg.seq)
+            self.step = self.core.version
             reply = self._params(msg.keys)  # this update's values, before anything else runs
             async with self._changed:
                 self._changed.notify_all()
@@ -172,7 +221,7 @@ class PSShardNode(Node):
 
     def _maybe_finish_round(self) -> None:
         if self.core.consistency == Consistency.SYNC and self.core.round_complete():
-            self.core.finish_round()
+            self.step = self.core.finish_round()
             if self._round_done is not None and not self._round_done.done():
                 # The replies' values, copied now (see _params): a member that has its reply may
                 # push into the next round before another member's reply is sent.
@@ -305,9 +354,13 @@ class PSShardNode(Node):
             # pushes while it is still joining.
             self.spawn(self._checkpoint_timer(), name="checkpoint_timer")
         try:
-            if await self.join() is None:
+            welcome = await self.join()
+            if welcome is None:
                 return
             self.start_heartbeat()
+            if "workers" in welcome.info:  # a rejoin: the workers gone meanwhile hold no round or bound back
+                for worker in sorted(self.core.live_workers - set(welcome.info["workers"])):
+                    await self._remove_worker(worker)
             await self.stopping.wait()
         finally:
             # Every way out comes here: stopped (signal, shutdown, job over), the scheduler lost (fail()

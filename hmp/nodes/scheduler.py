@@ -16,20 +16,21 @@ waiting for it (docs/architecture.md, "Elastic workers").
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
-from hmp.errors import HmpError
+from hmp.errors import HmpError, RequestError
 from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign,
-                          Shutdown, StageAssign, Welcome, Work)
+                          Shards, Shutdown, StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import write_report
 from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, RingFormed, SchedulerCore,
-                                ShardsReady, StopDecided, WorkerDropped, WorkersDone)
+                                ShardsChanged, ShardsReady, StopDecided, WorkerDropped, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
 from hmp.transport.endpoint import Client
 
@@ -78,6 +79,9 @@ class SchedulerNode(Node):
                     self.placement.on_membership(ev.change.node, ev.change.new)
             elif isinstance(ev, ShardsReady):
                 self.admitting.set()
+            elif isinstance(ev, ShardsChanged):
+                self.log.warning("shards_changed", epoch=ev.epoch, down=list(ev.down), why=ev.why)
+                self._spawn_quietly(self.tell_workers_shards(ev), name=f"shards-{ev.epoch}")
             elif isinstance(ev, RingFormed):
                 self.log.info("ring_formed", generation=ev.generation, members=list(ev.members))
                 if ev.generation == 1:
@@ -132,7 +136,7 @@ class SchedulerNode(Node):
 
     async def on_heartbeat(self, msg: Heartbeat, peer: bytes) -> Message:
         try:
-            refused = self.core.heartbeat(msg.sender, time.monotonic())
+            refused = self.core.heartbeat(msg.sender, time.monotonic(), msg.step)
         finally:
             self._dispatch_events()
         return Shutdown(reason=refused.reason) if refused is not None else Ack()
@@ -235,6 +239,32 @@ class SchedulerNode(Node):
                 self.log.warning("drop_failed", shard=shard_id, worker=ev.node, error=str(exc))
 
         await asyncio.gather(*(tell(s) for s in self.core.shard_ids))
+
+    async def tell_workers_shards(self, ev: ShardsChanged) -> None:
+        """Tell every worker still in the job that a shard went down or came back (all at once): they
+        hold their pushes to a shard that is down and re-send those in flight once it is back. A
+        worker that does not answer is left to the liveness rules."""
+        msg = Shards(shards=ev.shards, down=ev.down, epoch=ev.epoch)
+
+        async def tell(worker_id: str) -> None:
+            try:
+                reply = await (await self.worker_client(worker_id)).request(
+                    msg, timeout_s=max(1.0, 3 * self.cfg.job.heartbeat_interval_s))
+            except HmpError as exc:
+                self.log.warning("shards_update_failed", worker=worker_id, epoch=ev.epoch, error=str(exc))
+                return
+            # The worker's answer: the version of its last reply from each shard, which tells how far a
+            # shard that is down had got (the report's updates lost).
+            try:
+                versions = json.loads(reply.detail).get("versions", {}) if isinstance(reply, Ack) else {}
+                for shard in ev.down:
+                    if shard in versions:
+                        self.core.shard_version_seen(shard, int(versions[shard]))
+            except (ValueError, TypeError, AttributeError, RequestError) as exc:
+                self.log.warning("shards_answer_unreadable", worker=worker_id, error=str(exc))
+
+        workers = self.core.membership.ids({MemberState.LIVE, MemberState.SUSPECT, MemberState.JOINING}, workers=True)
+        await asyncio.gather(*(tell(w) for w in workers if self.core.membership[w].address))
 
     async def tell_worker(self, worker_id: str, msg: StageAssign | RingAssign) -> None:
         await (await self.worker_client(worker_id)).request(msg, timeout_s=10)

@@ -17,6 +17,13 @@ payload of a :meth:`ShardCore.state_dict`. A file is verified before anything in
 a torn, truncated or corrupted one is a :class:`CheckpointError` naming the file and what is
 wrong with it. Writing keeps the previous checkpoint as ``NAME.prev.pt`` (rotated by rename), so
 :meth:`ShardCore.resume` has a good one to fall back to.
+
+Retried pushes (docs/protocol.md, "Shard restarts"): a push may carry a ``seq``, increasing per worker.
+The core remembers the last ``seq`` applied from each worker (:attr:`ShardCore.last_seq`, saved in
+checkpoints with the parameters it belongs to), and :meth:`ShardCore.seen` tells the shell that a
+push was applied already: it is answered with the current values, not applied twice. In sync mode
+a contribution counts as applied once its round is (:attr:`ShardCore.round_seq` until then): a
+shard restarted from a checkpoint taken mid-round expects the round's contributions again.
 """
 
 from __future__ import annotations
@@ -114,6 +121,10 @@ class ShardCore:
         self.live_workers: set[str] = set()
         self.round_members: set[str] = set()
         self.clock: dict[str, int] = {}
+        # Retried pushes: the last seq applied per worker (in checkpoints), and (sync) the seq each member
+        # contributed to the round in progress, applied when the round is.
+        self.last_seq: dict[str, int] = {}
+        self.round_seq: dict[str, int] = {}
         for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
             self.add_worker(w)
 
@@ -172,6 +183,19 @@ class ShardCore:
         self.live_workers.discard(worker)
         self.clock.pop(worker, None)
 
+    # ---------------------------------------------------------------- retried pushes
+    def seen(self, worker: str, seq: int) -> str:
+        """Whether ``worker``'s push number ``seq`` was seen before: ``"applied"`` (its update is in the
+        parameters: answer with the current values), ``"pending"`` (sync: it is in the round in progress:
+        answer when the round completes) or ``""`` (new, or ``seq`` 0: apply it)."""
+        if seq <= 0:
+            return ""
+        if seq <= self.last_seq.get(worker, 0):
+            return "applied"
+        if self.round_seq.get(worker) == seq:
+            return "pending"
+        return ""
+
     # ---------------------------------------------------------------- async / ssp
     def ssp_ready(self, worker: str) -> bool:
         """SSP: may ``worker`` apply another update? Only within ``staleness`` of the slowest."""
@@ -180,8 +204,10 @@ class ShardCore:
         slowest = min(self.clock.get(w, 0) for w in self.live_workers)
         return self.clock.get(worker, 0) - slowest <= self.staleness
 
-    def apply(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int) -> int:
-        """Apply one worker's gradients at once (async, ssp); returns the new version."""
+    def apply(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
+              seq: int = 0) -> int:
+        """Apply one worker's gradients at once (async, ssp); returns the new version. ``seq``: the
+        push's number (0: none), remembered so that a retry of it is not applied again (:meth:`seen`)."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
@@ -190,14 +216,20 @@ class ShardCore:
         self.samples += samples
         if worker in self.clock:
             self.clock[worker] += 1
+        if seq > 0:
+            self.last_seq[worker] = max(seq, self.last_seq.get(worker, 0))
         return self.version
 
     # ---------------------------------------------------------------- sync
-    def contribute(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int) -> None:
-        """Sync: fold one worker's gradients into this round's aggregation buffers."""
+    def contribute(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
+                   seq: int = 0) -> None:
+        """Sync: fold one worker's gradients into this round's aggregation buffers (``seq``: as for
+        :meth:`apply`, remembered as applied when the round is)."""
         if worker in self.round_members:
             raise RequestError(f"{worker} pushed twice in sync round {self.version}", "bad_request")
         self.round_members.add(worker)
+        if seq > 0:
+            self.round_seq[worker] = seq
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             if c.agg is None:
@@ -219,6 +251,9 @@ class ShardCore:
                 c.optimizer.step(c.param, c.agg)
                 c.contributors = 0
         self.round_members.clear()
+        for w, seq in self.round_seq.items():
+            self.last_seq[w] = max(seq, self.last_seq.get(w, 0))
+        self.round_seq.clear()
         self.version += 1
         self.updates_applied += 1
         return self.version
@@ -230,9 +265,12 @@ class ShardCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed shard needs, plus what a report wants to know of the checkpoint
-        (``version``, ``updates_applied``, ``samples`` and ``written_at``, Unix time)."""
+        (``version``, ``updates_applied``, ``samples`` and ``written_at``, Unix time). ``last_seq``: the
+        last push number applied per worker, with the parameters that hold those pushes (a sync round's
+        contributions in progress are not in the parameters, so not in it either)."""
         return {"shard_id": self.shard_id, "version": self.version, "updates_applied": self.updates_applied,
                 "samples": self.samples, "written_at": time.time(), "optimizer": self.optimizer_name,
+                "last_seq": dict(self.last_seq),
                 "params": {k: c.param for k, c in self.chunks.items()},
                 "optim": {k: c.optimizer.state_dict() for k, c in self.chunks.items()}}
 
@@ -248,6 +286,9 @@ class ShardCore:
         self.version = state["version"]
         self.updates_applied = state["updates_applied"]
         self.samples = state["samples"]
+        # Checkpoints written before retried pushes were deduplicated have none: every retry is new.
+        self.last_seq = {str(w): int(s) for w, s in state.get("last_seq", {}).items()}
+        self.round_seq.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """A :meth:`state_dict` that owns its tensors (copies): later updates do not change it,

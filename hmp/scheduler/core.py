@@ -12,7 +12,7 @@ Events in (methods), decisions out (return values):
   :class:`Held` (a worker before every shard has joined: the shell waits for :class:`ShardsReady`,
   then calls ``admit(sender, generation, now)``; only the newest held join of a worker is admitted,
   older ones are refused), or :class:`Refused` (the job is over).
-* ``heartbeat(sender, now)`` -> None (ack) or :class:`Refused` (the job is over: shut down).
+* ``heartbeat(sender, now, step)`` -> None (ack) or :class:`Refused` (the job is over: shut down).
 * ``report(sender, metrics, done, now)`` -> :class:`Assignment` (batch size, data share, stop).
 * ``work(sender, count, now)`` -> :class:`WorkRange`: the next examples of the current epoch,
   first come first served (count 0: the epochs are used up, or the job is stopping).
@@ -22,14 +22,21 @@ Events in (methods), decisions out (return values):
 
 Events out (:meth:`SchedulerCore.take_events`): :class:`MemberChanged` (every state change;
 ``roster`` marks the changes to the set of workers available for work, which the placement loop
-re-plans on), :class:`ShardsReady`, :class:`RingFormed`, :class:`WorkerDropped`, :class:`WorkersDone`,
-:class:`StopDecided`, :class:`JobFailed`.
+re-plans on), :class:`ShardsReady`, :class:`ShardsChanged`, :class:`RingFormed`, :class:`WorkerDropped`,
+:class:`WorkersDone`, :class:`StopDecided`, :class:`JobFailed`.
 
 Membership (:mod:`hmp.scheduler.membership`) is a state machine: EXPECTED -> (JOINING ->) LIVE;
 LIVE -> SUSPECT after 2 silent heartbeat intervals, back to LIVE when heard from; LIVE, SUSPECT or
 DONE -> LOST after 2.8 (checked every 0.1 interval: at most 2.9 intervals after its last message);
 LIVE -> DONE on a worker's final report; any -> LEFT on ``leave``. A lost
-PS shard fails the job. A worker that is lost, fails or leaves before it is done does not
+PS shard fails the job, unless ``[job] restarts`` gives role ``ps`` a restart left (docs/protocol.md,
+"Shard restarts"): then it is down (:class:`ShardsChanged`: the shell tells every worker, whose
+pushes to it wait) until it joins again (a new process with ``--resume``, at a new address: the
+workers learn it the same way and re-send their pushes in flight) or is heard from again (a stalled
+one), and the job fails only if it is not back within ``join_timeout_s``. The report's
+``shard_restarts`` says per restart the updates lost: the shard's version before the crash as last
+known (its heartbeats, and the workers' last replies from it: :meth:`SchedulerCore.shard_version_seen`)
+minus the version it resumed at (its checkpoint's). A worker that is lost, fails or leaves before it is done does not
 (``tolerate_worker_loss``, the default; docs/architecture.md, "Elastic workers"): it is dropped
 (:class:`WorkerDropped`: the shell tells every PS shard, so that sync rounds and SSP bounds stop
 waiting for it), the work ranges it held go back to the queue, an allreduce ring re-forms without
@@ -118,6 +125,17 @@ class ShardsReady:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardsChanged:
+    """A PS shard went down (lost, expected back) or came back (restarted at ``shards``' new address,
+    or heard from again): the shell tells every worker (``shards``, change number ``epoch``)."""
+
+    epoch: int
+    shards: tuple[tuple[str, str], ...]
+    down: tuple[str, ...]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class RingFormed:
     """(``consistency = "allreduce"``) The workers' ring, generation ``generation``: ``members`` (ids)
     at ``addresses``, in rank order. Generation 1 forms once every worker has joined (held worker
@@ -159,7 +177,7 @@ class JobFailed:
     reason: str
 
 
-Event = MemberChanged | ShardsReady | RingFormed | WorkerDropped | WorkersDone | StopDecided | JobFailed
+Event = MemberChanged | ShardsReady | ShardsChanged | RingFormed | WorkerDropped | WorkersDone | StopDecided | JobFailed
 
 
 class SchedulerCore:
@@ -183,8 +201,14 @@ class SchedulerCore:
         self.min_workers = cfg.train.min_workers  # 1 .. the number of workers: the config loader checks it
         # [job] restarts: a worker lost or failed while its role may still be restarted by the launcher
         # counts as remaining until it rejoins or ``join_timeout_s`` passes (deadline by worker).
-        self.restarts_left = {w.id: int(cfg.job.restarts.get(w.role, 0)) for w in cfg.workers}
+        # A lost shard likewise, while role ps may be restarted: it is down, and the job waits for it.
+        self.restarts_left = {n.id: int(cfg.job.restarts.get(n.role, 0)) for n in (*cfg.workers, *cfg.shards)}
         self.awaiting_restart: dict[str, float] = {}
+        self.shards_down: set[str] = set()
+        self.shard_epoch = 0  # ShardsChanged events so far
+        # Restarted shards whose resumed version (the first heartbeat's step) is not known yet:
+        # their entries of the report's shard_restarts.
+        self._restart_pending: dict[str, dict[str, Any]] = {}
         self.run_report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
                                     policy=cfg.train.policy)
         self.run_report.sharding = dict(sharding or {})
@@ -232,6 +256,7 @@ class SchedulerCore:
     def status(self, now: float) -> dict[str, Any]:
         return {"elapsed_s": self.elapsed(now), "stop_reason": self.stop_reason, "failed": self.failed or "",
                 "members": self.membership.states(), "workers": self.run_report.latest(),
+                "shards_down": sorted(self.shards_down),
                 "best_accuracy": self.best_accuracy,
                 "best_test_loss": self.best_test_loss if self.best_test_loss != float("inf") else None}
 
@@ -254,6 +279,53 @@ class SchedulerCore:
             # in a pipeline job, is planned with) again; the shards count it from its next push.
             self._move(m, S.LIVE, "back after being lost")
             self._record(m.id, "rejoined", "heard from again after being lost", now)
+        elif m.state == S.LOST and m.id in self.shards_down and not self.over:
+            # A stalled shard is back with its state: the workers re-send what was in flight to it.
+            self._move(m, S.LIVE, "back after being lost")
+            self._record(m.id, "rejoined", "heard from again after being lost", now)
+            self._shard_up(m, "heard from again")
+
+    # ---------------------------------------------------------------- shards down and back
+    def _shard_down(self, m: Member, why: str, now: float) -> None:
+        """Shard ``m`` is lost while its role may be restarted: the job waits ``join_timeout_s`` for it."""
+        self.restarts_left[m.id] -= 1
+        self.awaiting_restart[m.id] = now + self.cfg.job.join_timeout_s
+        self._record(m.id, "lost", f"{why}; expected back within {self.cfg.job.join_timeout_s} s", now)
+        self.shards_down.add(m.id)
+        self._shards_changed(f"{m.id} lost ({why})")
+
+    def _shard_up(self, m: Member, why: str) -> None:
+        self.awaiting_restart.pop(m.id, None)
+        self.shards_down.discard(m.id)
+        self._shards_changed(f"{m.id} {why}")
+
+    def _shards_changed(self, why: str) -> None:
+        self.shard_epoch += 1
+        self._events.append(ShardsChanged(self.shard_epoch, tuple((s, a) for s, a in self.shard_addresses()),
+                                          tuple(sorted(self.shards_down)), why))
+
+    def shard_version_seen(self, shard: str, version: int) -> None:
+        """A worker's last reply from ``shard``, now down, carried ``version`` (its answer to the
+        shell's ``shards``): the shard had at least that many updates before its crash. The
+        heartbeats alone know it only as of the last interval."""
+        m = self.membership.get(shard)
+        if shard in self.shards_down:
+            m.step = max(m.step, version)
+
+    def _shard_restarted(self, m: Member, pid: int, address: str, now: float) -> None:
+        """Shard ``m``, seen before, joins from a new process (``--resume``): its report entry (the
+        updates lost are known at its first heartbeat), and the workers learn its new address."""
+        why = f"new process (pid {pid}, was {m.pid}) at {address}"
+        self._record(m.id, "restarted", why, now)
+        entry = {"node": m.id, "t": round(self.elapsed(now), 3), "pid": pid, "was_pid": m.pid,
+                 "address": address, "was_address": m.address, "version_before": m.step,
+                 "resumed_version": None, "updates_lost": None}
+        self.run_report.shard_restarts.append(entry)
+        self._restart_pending[m.id] = entry
+        m.address, m.pid = address, pid
+        if m.state not in UP:  # lost or left; one restarted before it was noticed lost is live already
+            self._move(m, S.LIVE, "restarted")
+        self._shard_up(m, f"restarted ({why})")
 
     def _record(self, node: str, event: str, why: str, now: float) -> None:
         """One line of the report's membership history (``event``: lost, left, failed, rejoined, restarted)."""
@@ -348,6 +420,13 @@ class SchedulerCore:
             return Refused(f"the job is stopping ({self.end_reason}); {sender} is not taken back into the ring")
         if rejoin:
             self._rejoin(m, pid, now)
+        if not m.is_worker and m.state not in NOT_JOINED and m.pid and pid != m.pid:
+            if self.stopping:
+                return Refused(f"the job is stopping ({self.end_reason}); restarted {sender} is not taken back")
+            self._shard_restarted(m, pid, address, now)
+            # The workers still in the job: the others must not hold its sync rounds or SSP bounds back.
+            return Admitted({"shards": self.shard_addresses(), "workers": self.membership.ids(
+                UP | {S.JOINING}, workers=True)})
         m.address, m.pid = address, pid
         if not m.is_worker:
             self._move(m, S.LIVE, "joined")
@@ -428,14 +507,23 @@ class SchedulerCore:
             self.t0 = now
         info = {"shards": self.shard_addresses(), "worker_index": self.worker_ids.index(m.id),
                 "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)}
+        if self.shard_epoch:  # a shard went down or moved since the job began: the worker starts from this view
+            info.update(shards_down=sorted(self.shards_down), shard_epoch=self.shard_epoch)
         if self.allreduce:
             info["ring"] = self._ring_info(m.id)
             info["worker_index"], info["num_workers"] = info["ring"]["rank"], len(self.ring_members)
         return Admitted(info)
 
-    def heartbeat(self, sender: str, now: float) -> Refused | None:
+    def heartbeat(self, sender: str, now: float, step: int | None = None) -> Refused | None:
+        """``step``: what the heartbeat carried (a shard's version: a restart's lost updates are counted with it)."""
         m = self.membership.get(sender)
         self._heard(m, now)
+        if step is not None:
+            m.step = step
+            entry = self._restart_pending.pop(sender, None)
+            if entry is not None:  # a restarted shard's first heartbeat: the version it resumed at
+                entry["resumed_version"] = step
+                entry["updates_lost"] = max(0, entry["version_before"] - step)
         if self.over:
             return Refused(self.end_reason)
         if self.allreduce and m.is_worker and m.state == S.LOST:
@@ -522,13 +610,19 @@ class SchedulerCore:
         for w, deadline in list(self.awaiting_restart.items()):
             if now > deadline:
                 del self.awaiting_restart[w]
-                self._check_min_workers(f"({w} was not restarted within {self.cfg.job.join_timeout_s} s)")
+                if w in self.shards_down:
+                    self.fail(f"PS shard {w} was lost and did not come back within {self.cfg.job.join_timeout_s} s "
+                              "(join_timeout_s; [job] restarts allows role ps to be restarted with --resume)")
+                else:
+                    self._check_min_workers(f"({w} was not restarted within {self.cfg.job.join_timeout_s} s)")
         for m in self.membership:
             silent = now - m.last_seen
             if m.state in CONNECTED and silent > LOST_AFTER * self.interval:
                 was_done = m.state == S.DONE
                 self._move(m, S.LOST, f"silent for {silent:.1f} s")
-                if not (m.is_worker and self.tolerate_worker_loss):
+                if not m.is_worker and self.restarts_left.get(m.id, 0) > 0 and not self.stopping:
+                    self._shard_down(m, f"silent for {silent:.1f} s", now)
+                elif not (m.is_worker and self.tolerate_worker_loss):
                     self.fail(f"node {m.id} ({m.role}) lost: silent for {silent:.1f} s")
                 elif was_done:  # its work was done; only its goodbye is missing
                     self._record(m.id, "lost", f"silent for {silent:.1f} s after its final report", now)

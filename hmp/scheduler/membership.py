@@ -16,7 +16,8 @@ member is already in is not a transition: nothing changes and nothing is returne
     any state --leave--> LEFT
     LOST --heard from (a stalled worker of a PS or pipeline job)--> LIVE
     LIVE | SUSPECT | DONE | LOST | LEFT --join again--> JOINING (worker: a restarted process, or one
-                                                     back after it was lost or left) or LIVE (shard)
+                                                     back after it was lost or left) or LIVE (shard:
+                                                     a restarted process, ``--resume``)
 
 Pure: no clock of its own (callers pass ``now``), no I/O.
 """
@@ -88,6 +89,7 @@ class Member:
     last_seen: float = 0.0
     state: MemberState = MemberState.EXPECTED
     joins: int = 0  # join requests received; only the newest held one is answered
+    step: int = 0  # the step its last heartbeat carried (a PS shard's: its version)
 
     @property
     def is_worker(self) -> bool:

@@ -85,7 +85,8 @@ async def test_sync_worker_blocked_in_a_round_goes_on_when_its_peer_dies(tmp_pat
     async with cluster:
         for _ in range(300):
             st = await cluster.status()
-            if st and any(w.get("updates", 0) > 5 for w in st.get("workers", {}).values()):
+            # both have reported (gpu0's count is read below), and the rounds run
+            if st and all(st.get("workers", {}).get(w, {}).get("updates", 0) > 5 for w in ("cpu0", "gpu0")):
                 break
             await asyncio.sleep(0.1)
         t0 = time.monotonic()

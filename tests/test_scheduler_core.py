@@ -613,3 +613,19 @@ def test_a_restart_that_never_comes_fails_the_job_at_the_join_deadline():
         core.tick(t + 0.5)
     assert core.failed == ("only 1 of 2 workers remain (cpu0) (gpu0 was not restarted within 10.0 s); "
                            "[train] min_workers = 2")
+
+
+def test_losing_the_last_working_worker_after_the_others_finished_does_not_fail_the_job():
+    """Workers that sent their final report and left are done, not missing: when the one still working is
+    lost, the job ends (every worker done or gone) instead of failing below min_workers."""
+    core = _running(tolerate=True)
+    t = 1.0
+    core.report("gpu0", {"loss": 0.1}, True, t)
+    core.leave("gpu0", "done", t)
+    core.take_events()
+    for n in ("ps0", "ps1"):
+        core.heartbeat(n, 3.5)
+    core.tick(3.5)  # cpu0 silent since the start: lost
+    assert core.membership["cpu0"].state == S.LOST
+    assert core.failed is None
+    assert WorkersDone() in core.take_events()

@@ -226,6 +226,7 @@ class SchedulerCore:
         self.ring_members: tuple[str, ...] = ()
         # First-come-first-served data (Hogbatch): a cursor over each epoch's shuffled order.
         self.work_epoch, self.work_cursor = 0, 0
+        self.finished_workers: set[str] = set()  # sent their final report (done, not missing)
         self.work_taken: dict[str, int] = {}
         # Ranges handed out and not yet done, per worker ((epoch, start, count); a worker's next
         # ``work`` request or final report marks its range done), and a lost worker's ranges,
@@ -347,12 +348,14 @@ class SchedulerCore:
         self._check_workers_done()
 
     def _check_min_workers(self, after: str) -> None:
-        """Fail the job if fewer than ``min_workers`` workers remain: live, joining, done, or lost but
-        expected back from a restart."""
+        """Fail the job if fewer than ``min_workers`` workers remain: live, joining, done (also once they
+        left after their final report), or lost but expected back from a restart."""
         if self.stopping:
             return
+        # A worker that sent its final report and left did its share: it is not missing.
         remaining = [w for w in self.worker_ids
-                     if self.membership[w].state in UP | {S.JOINING, S.DONE} or w in self.awaiting_restart]
+                     if self.membership[w].state in UP | {S.JOINING, S.DONE} or w in self.awaiting_restart
+                     or w in self.finished_workers]
         if len(remaining) < self.min_workers:
             who = ", ".join(remaining) or "none"
             self.fail(f"only {len(remaining)} of {len(self.worker_ids)} workers remain ({who}) {after}; "
@@ -534,6 +537,7 @@ class SchedulerCore:
         m = self.check_worker(sender, "report", now)
         if done:
             self._move(m, S.DONE, "final report")  # before any other effect: an illegal one changes nothing
+            self.finished_workers.add(m.id)
         t = self.elapsed(now)
         self.run_report.add_sample(m.id, t, metrics)
         acc = metrics.get("test_accuracy")

@@ -161,21 +161,28 @@ def _slow_heartbeats(tmp_path: Path) -> Path:
     return cfg
 
 
+async def _sigterm_cpu0_while_frozen(cluster: LocalCluster, frozen: str, settle_s: float) -> tuple[int, float]:
+    """Freeze ``frozen`` (SIGSTOP), let cpu0 block on it for ``settle_s``, SIGTERM cpu0: its exit code and how
+    long it took to exit. ``frozen`` is thawed afterwards, also on failure."""
+    cluster.kill(frozen, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(settle_s)
+        t0 = time.monotonic()
+        cluster.kill("cpu0", signal.SIGTERM)
+        code = await asyncio.wait_for(cluster.procs["cpu0"].wait(), 30)
+        return code, time.monotonic() - t0
+    finally:
+        cluster.kill(frozen, signal.SIGCONT)
+
+
 async def test_a_worker_blocked_on_a_frozen_shard_stops_at_once_on_sigterm(tmp_path):
     """ps1 frozen (SIGSTOP): cpu0's asynchronous push to it can never complete. SIGTERM makes cpu0 give up the
     push and exit 0 within about 2 s (its goodbye to ps1 waits 1 s), not after its 60 s request timeout."""
     cfg = _slow_heartbeats(tmp_path)
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster)
-        cluster.kill("ps1", signal.SIGSTOP)
-        try:
-            await asyncio.sleep(0.5)  # every push reaches ps1 (both shards hold chunks): cpu0 is blocked now
-            t0 = time.monotonic()
-            cluster.kill("cpu0", signal.SIGTERM)
-            code = await asyncio.wait_for(cluster.procs["cpu0"].wait(), 30)
-            waited = time.monotonic() - t0
-        finally:
-            cluster.kill("ps1", signal.SIGCONT)
+        # every push reaches ps1 (both shards hold chunks): after 0.5 s cpu0 is blocked
+        code, waited = await _sigterm_cpu0_while_frozen(cluster, "ps1", settle_s=0.5)
     assert code == 0 and waited < 3.0, (code, waited)
     log = (tmp_path / "run" / "logs" / "cpu0.log").read_text()
     assert "push_abandoned" in log
@@ -188,13 +195,6 @@ async def test_a_worker_blocked_on_a_frozen_scheduler_stops_promptly_on_sigterm(
     cfg = _slow_heartbeats(tmp_path)
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster)
-        cluster.kill("scheduler", signal.SIGSTOP)
-        try:
-            await asyncio.sleep(1.0)  # reports are due every 0.3 s: cpu0 is waiting for one now
-            t0 = time.monotonic()
-            cluster.kill("cpu0", signal.SIGTERM)
-            code = await asyncio.wait_for(cluster.procs["cpu0"].wait(), 30)
-            waited = time.monotonic() - t0
-        finally:
-            cluster.kill("scheduler", signal.SIGCONT)
+        # reports are due every 0.3 s: after 1 s cpu0 is waiting for one
+        code, waited = await _sigterm_cpu0_while_frozen(cluster, "scheduler", settle_s=1.0)
     assert code == 0 and waited < 6.0, (code, waited)

@@ -495,13 +495,7 @@ def _silence(core, node, until):
 def test_a_lost_worker_is_dropped_and_the_job_goes_on():
     """A worker silent for 3 intervals is LOST and dropped (every shard is to hear of it) without failing the
     job; the report records it; once the other worker is done the job is done."""
-    core = SchedulerCore(_cfg(), n_train=100)
-    core.start(0.0)
-    for s in ("ps0", "ps1"):
-        core.join(s, "ps", f"tcp://{s}", 1, 0.0)
-    for w, role in WORKERS:
-        core.join(w, role, f"tcp://{w}", 2, 0.0)
-    core.take_events()
+    core = _elastic()
     _silence(core, "gpu0", 3.0)
     events = core.take_events()
     assert _state(core, "gpu0") == S.LOST and core.failed is None

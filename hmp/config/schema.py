@@ -97,6 +97,8 @@ class DataConfig:
     test_path: str = _field("", "svmlight: an optional separate test file")
     test_fraction: float = _field(0.2, "held-out fraction when the data has no test split")
     samples: int = _field(20000, "click: examples to generate")
+    standardize: bool = _field(False, "scale each feature to mean 0, variance 1 with statistics of the training "
+                                      "split only (dense data)")
     args: dict = _field({}, "extra loader arguments")
     seed: int = _field(0, "split / generation seed")
 
@@ -141,6 +143,8 @@ class PSConfig:
     checkpoint_dir: str = _field("", "where shards write checkpoints; empty: <report_dir>/checkpoints")
     reject_nonfinite: bool = _field(True, "shards refuse pushes holding NaN or infinite values (error "
                                           "non_finite) instead of applying them; costs one sum over each push")
+    replicas: int = _field(1, "copies of each chunk: 2 keeps a backup on another shard, a push is acknowledged "
+                              "once both applied it, and a lost primary's backup takes over (docs/resilience.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +249,13 @@ class SecurityConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = _field(False, "every daemon serves its counters and histograms in the Prometheus text "
+                                  "format over HTTP (docs/metrics.md); the launcher lists the addresses")
+    port: int = _field(0, "HTTP port of each daemon's metrics endpoint (0: the OS picks one per daemon)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole job: topology plus settings. ``path`` is the file it came from."""
 
@@ -262,6 +273,7 @@ class Config:
     collective: CollectiveConfig = CollectiveConfig()
     shm: ShmConfig = ShmConfig()
     security: SecurityConfig = SecurityConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def node(self, node_id: str) -> NodeConfig:
         for n in self.nodes:
@@ -300,7 +312,8 @@ class Config:
 SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                              "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
                              "sweep": SweepConfig, "placement": PlacementConfig, "collective": CollectiveConfig,
-                             "shm": ShmConfig, "security": SecurityConfig}
+                             "shm": ShmConfig, "security": SecurityConfig,
+                             "metrics": MetricsConfig}
 
 
 def _type_name(t: Any) -> str:
@@ -513,6 +526,13 @@ def _validate_resilience(cfg: Config) -> None:
     if not 1 <= cfg.train.min_workers <= max(workers, 1):
         raise ConfigError(p, "train.min_workers", f"an integer from 1 to the topology's {workers} worker(s) (the job "
                                                   f"fails once fewer are live), got {cfg.train.min_workers!r}")
+    shards = len(cfg.shards)
+    if cfg.ps.replicas not in (1, 2) or (cfg.ps.replicas == 2 and shards < 2 and cfg.workers):
+        raise ConfigError(p, "ps.replicas", f"1 (no backup) or 2 (a backup of each chunk on another shard, which "
+                                            f"needs at least 2 [[nodes]] with role = \"ps\"; the topology has "
+                                            f"{shards}), got {cfg.ps.replicas!r}")
+    if not 0 <= cfg.metrics.port <= 65535:
+        raise ConfigError(p, "metrics.port", f"a port in 0-65535 (0: the OS picks one), got {cfg.metrics.port!r}")
     for role, count in cfg.job.restarts.items():
         if role not in tuple(Role):
             raise ConfigError(p, f"job.restarts.{role}", f"a role, one of {[str(r) for r in Role]}")

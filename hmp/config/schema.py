@@ -112,6 +112,13 @@ class OptimizerConfig:
     weight_decay: float = _field(0.0, "L2 weight decay")
     betas: list = _field([0.9, 0.999], "adam betas")
     eps: float = _field(1e-8, "adam/adagrad epsilon")
+    schedule: str = _field("constant", "learning rate over a shard's updates: constant | step (times gamma every "
+                                       "step_size updates) | cosine (to min_lr over total_steps); docs/optimizers.md")
+    warmup_steps: int = _field(0, "schedule: the lr rises linearly from 0 over this many updates first")
+    step_size: int = _field(1000, "schedule = \"step\": updates between decays")
+    gamma: float = _field(0.1, "schedule = \"step\": the factor of each decay")
+    total_steps: int = _field(0, "schedule = \"cosine\": updates from the end of warm-up to min_lr (required)")
+    min_lr: float = _field(0.0, "schedule = \"cosine\": the final learning rate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,6 +512,20 @@ def _validate_ranges(cfg: Config) -> None:
     if not 0.0 <= d.test_fraction < 1.0 or (always_split and d.test_fraction == 0.0):
         allowed = "(0, 1)" if always_split else "[0, 1) (0: the data file must hold its own test split)"
         raise ConfigError(p, "data.test_fraction", f"a number in {allowed}, got {d.test_fraction!r}")
+    o = cfg.optimizer
+    if o.schedule not in ("constant", "step", "cosine"):
+        raise ConfigError(p, "optimizer.schedule", f"one of ['constant', 'step', 'cosine'], got {o.schedule!r}")
+    for key, value, low in (("optimizer.warmup_steps", o.warmup_steps, 0), ("optimizer.step_size", o.step_size, 1),
+                            ("optimizer.total_steps", o.total_steps, 0)):
+        if value < low:
+            raise ConfigError(p, key, f"an integer >= {low}, got {value!r}")
+    if not 0 < o.gamma <= 1:
+        raise ConfigError(p, "optimizer.gamma", f"a number in (0, 1], got {o.gamma!r}")
+    if o.schedule == "cosine" and o.total_steps < 1:
+        raise ConfigError(p, "optimizer.total_steps", "an integer >= 1 with schedule = \"cosine\" (the updates "
+                                                      "over which the lr falls to min_lr)")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(p, "optimizer.min_lr", f"a number from 0 to optimizer.lr ({o.lr}), got {o.min_lr!r}")
     betas = cfg.optimizer.betas
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
                                     for b in betas)):

@@ -1,6 +1,7 @@
 """Elastic workers, with real daemons on loopback: a worker that dies, hangs or leaves does not end the job;
-too few workers do; a crashed worker is restarted and rejoins (PS and allreduce jobs); a worker blocked on a
-frozen shard stops at once on SIGTERM (docs/architecture.md, "Elastic workers")."""
+too few workers do; a crashed worker is restarted and rejoins (PS and allreduce jobs); a frozen ring member is
+dropped and the ring goes on; a worker (PS, ring or pipeline stage) blocked on a frozen peer stops at once on
+SIGTERM; a pipeline job goes on after a shard restart (docs/architecture.md, "Elastic workers")."""
 
 from __future__ import annotations
 
@@ -161,15 +162,16 @@ def _slow_heartbeats(tmp_path: Path) -> Path:
     return cfg
 
 
-async def _sigterm_cpu0_while_frozen(cluster: LocalCluster, frozen: str, settle_s: float) -> tuple[int, float]:
-    """Freeze ``frozen`` (SIGSTOP), let cpu0 block on it for ``settle_s``, SIGTERM cpu0: its exit code and how
-    long it took to exit. ``frozen`` is thawed afterwards, also on failure."""
+async def _sigterm_cpu0_while_frozen(cluster: LocalCluster, frozen: str, settle_s: float,
+                                     victim: str = "cpu0") -> tuple[int, float]:
+    """Freeze ``frozen`` (SIGSTOP), let ``victim`` block on it for ``settle_s``, SIGTERM ``victim``: its exit code
+    and how long it took to exit. ``frozen`` is thawed afterwards, also on failure."""
     cluster.kill(frozen, signal.SIGSTOP)
     try:
         await asyncio.sleep(settle_s)
         t0 = time.monotonic()
-        cluster.kill("cpu0", signal.SIGTERM)
-        code = await asyncio.wait_for(cluster.procs["cpu0"].wait(), 30)
+        cluster.kill(victim, signal.SIGTERM)
+        code = await asyncio.wait_for(cluster.procs[victim].wait(), 30)
         return code, time.monotonic() - t0
     finally:
         cluster.kill(frozen, signal.SIGCONT)
@@ -198,3 +200,115 @@ async def test_a_worker_blocked_on_a_frozen_scheduler_stops_promptly_on_sigterm(
         # reports are due every 0.3 s: after 1 s cpu0 is waiting for one
         code, waited = await _sigterm_cpu0_while_frozen(cluster, "scheduler", settle_s=1.0)
     assert code == 0 and waited < 6.0, (code, waited)
+
+
+async def test_a_frozen_ring_member_is_dropped_and_the_ring_goes_on(tmp_path):
+    """Allreduce, three members; w1 frozen (SIGSTOP) mid-run. The survivors give up the step they were blocked
+    in as soon as the scheduler re-forms the ring without w1 (within the heartbeat bound, not the collective
+    timeout), resync and train on to the target with identical replicas. Thawed afterwards, w1 learns it was
+    dropped (its heartbeat is refused) and stops on its own, exit 0."""
+    cfg = ring_config(tmp_path, workers=3, target=0.95, epochs=200, max_seconds=120)
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster, ("w0", "w1", "w2"), updates=10)
+        cluster.kill("w1", signal.SIGSTOP)
+        try:
+            detected = await _until_state(cluster, "w1", "lost", 10)
+            t0 = time.monotonic()
+            # the survivors train again in the re-formed ring: their updates grow past what they were
+            before = (await cluster.status())["workers"]
+            for _ in range(100):
+                st = (await cluster.status())["workers"]
+                if all(st[w]["updates"] > before[w]["updates"] for w in ("w0", "w2")):
+                    break
+                await asyncio.sleep(0.05)
+            recovered = time.monotonic() - t0
+        finally:
+            cluster.kill("w1", signal.SIGCONT)
+        code = await asyncio.wait_for(cluster.procs["scheduler"].wait(), 150)
+        assert code == 0, cluster.log_tail("scheduler", 30)
+        assert await asyncio.wait_for(cluster.procs["w1"].wait(), 15) == 0, cluster.log_tail("w1", 30)
+    assert detected < 4 * HB + 1.0, detected
+    assert recovered < 5.0, recovered  # far below the collective timeout (request_timeout_s, 60 s)
+    report = _report(tmp_path)
+    gens = report["rings"]
+    assert gens[-1]["members"] == ["w0", "w2"] and "w1" in gens[-1]["why"], gens
+    assert _events(report, "w1")[0] == "lost", report["membership"]
+    assert report["final"]["test_accuracy"] >= 0.95
+    finals = [report["series"][w][-1] for w in ("w0", "w2")]
+    assert finals[0]["params_crc32"] == finals[1]["params_crc32"]
+
+
+@pytest.mark.parametrize("frozen", ["accel0", "ps1"])
+async def test_a_stage_worker_blocked_on_a_frozen_peer_stops_at_once_on_sigterm(tmp_path, frozen):
+    """A pipeline job (cpu0 runs the embedding stage, accel0 the MLP); accel0 frozen: cpu0 waits for its
+    gradients forever; ps1 frozen: cpu0's push to it is never answered. SIGTERM makes cpu0 give the wait up and
+    exit 0 at once (a frozen shard: after the last push's 1 s grace and the 1 s goodbye), not after the 60 s
+    request timeout. Heartbeats are slow, so that the frozen peer is not declared lost meanwhile."""
+    from hmp.job import loads
+
+    from .test_pipeline import pipeline_config
+
+    pipeline_config(tmp_path, epochs=200, max_seconds=60.0, workers=("cpu0", "accel0"), join_wait_s=1.0)
+    path = tmp_path / "pipe.toml"
+    path.write_text(path.read_text().replace("heartbeat_interval_s = 0.5", "heartbeat_interval_s = 3.0"))
+    async with LocalCluster(loads(path.read_text(), str(path)), grace_s=5) as cluster:
+        for _ in range(600):
+            st = await cluster.status()
+            if st and st.get("pipeline", {}).get("max_step", 0) > 3:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the pipeline did not start training: {st}")
+        code, waited = await _sigterm_cpu0_while_frozen(cluster, frozen, settle_s=1.0)
+    assert code == 0, (tmp_path / "run" / "logs" / "cpu0.log").read_text()[-3000:]
+    assert waited < (3.0 if frozen == "ps1" else 1.5), waited
+    if frozen == "ps1":
+        assert "push_abandoned" in (tmp_path / "run" / "logs" / "cpu0.log").read_text()
+
+
+async def test_a_ring_member_blocked_on_a_frozen_member_stops_promptly_on_sigterm(tmp_path):
+    """Allreduce, two members; w1 frozen: w0's next all-reduce can never complete. SIGTERM makes w0 give its
+    step 1 s to carry its stop vote, then abandon the ring and exit 0, not after the collective timeout (60 s).
+    Heartbeats are slow, so that w1 is not declared lost meanwhile (which would re-form the ring)."""
+    cfg = ring_config(tmp_path, workers=2, target=1.0, epochs=1000, max_seconds=120)
+    cfg.write_text(cfg.read_text().replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 3.0"))
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        await _until_training(cluster, ("w0", "w1"), updates=10)
+        code, waited = await _sigterm_cpu0_while_frozen(cluster, "w1", settle_s=0.5, victim="w0")
+    assert code == 0 and waited < 3.5, (code, waited)
+    assert "ring_abandoned" in (tmp_path / "run" / "logs" / "w0.log").read_text()
+
+
+async def test_a_pipeline_job_goes_on_after_a_shard_restart(tmp_path):
+    """A pipeline job with [job] restarts = {ps = 1}: ps1 killed mid-run is restarted from its checkpoint at a new
+    address; the stage workers learn it from the scheduler's shards message, send their pushes in flight again
+    to the new address and train on to the end (max_seconds); the report lists the restart."""
+    from hmp.job import loads
+
+    from .test_pipeline import pipeline_config
+
+    pipeline_config(tmp_path, epochs=200, max_seconds=8.0, workers=("cpu0", "accel0"), join_wait_s=1.0)
+    path = tmp_path / "pipe.toml"
+    path.write_text(path.read_text().replace("join_timeout_s = 60", "join_timeout_s = 60\nrestarts = { ps = 1 }")
+                    .replace("chunk_bytes = 65536", "chunk_bytes = 65536\ncheckpoint_every = 5"))
+    async with LocalCluster(loads(path.read_text(), str(path)), grace_s=5) as cluster:
+        for _ in range(600):
+            st = await cluster.status()
+            # past the shards' first checkpoints: a shard restarted with --resume needs one
+            if st and st.get("pipeline", {}).get("max_step", 0) > 12:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"the pipeline did not start training: {st}")
+        cluster.kill("ps1", signal.SIGKILL)
+        report = await cluster.train(timeout_s=60)
+        assert [r["node"] for r in cluster.restarts] == ["ps1"]
+        codes = {n: p.returncode for n, p in cluster.procs.items()}
+        assert all(c == 0 for c in codes.values()), codes
+    assert [r["node"] for r in report["shard_restarts"]] == ["ps1"], report["shard_restarts"]
+    logs = tmp_path / "run" / "logs"
+    assert all("shard_moved" in (logs / f"{w}.log").read_text() for w in ("cpu0", "accel0"))
+    t_restart = report["shard_restarts"][0]["t"]
+    series = report["series"]["cpu0"]
+    before = max(e["updates"] for e in series if e["t"] <= t_restart)
+    assert series[-1]["updates"] > before + 3, (before, series[-1])  # it trained on after the restart

@@ -147,6 +147,7 @@ async def test_stage_worker_keeps_messages_that_arrive_before_its_assignment(tmp
 
     class FakePS:
         keys = ()
+        shard_addresses = ()
 
         def restrict(self, keys):
             self.restricted = tuple(keys)

@@ -28,6 +28,13 @@ some of them finish that step and not others), the lowest-ranked member with the
 sends its parameters, optimizer state and data position to the others (an all-reduce in which
 the others contribute zeros), and everyone continues from that step.
 
+A member that hangs (SIGSTOP, a stuck host) is lost like a dead one: its silence, not the
+collective timeout, decides, so the survivors leave the step they were blocked in as soon as
+the ``ring_assign`` arrives (within 3 heartbeat intervals). If it wakes up, its step fails on
+the survivors' ``stale_ring`` replies and the scheduler refuses its heartbeat: it stops, exit 0,
+without a final report or evaluation (its replica is not the ring's any more); to take part
+again it must be restarted (``[job] restarts``) and join anew.
+
 Data: each epoch's example order is the same on every worker (``ShuffledBatches`` with the data
 seed); a step takes the next ``members x batch_size`` examples of it and member ``r`` trains on
 the ``r``-th slice; the rest of an epoch shorter than a global batch is skipped (as DDP's
@@ -60,6 +67,12 @@ from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate
 from hmp.transport.shm import ShmSettings, open_process_arena
 
+#: Seconds a member told to stop (SIGTERM, the scheduler's shutdown) lets the step in flight finish,
+#: which carries its stop vote so that every member stops after the same step; a step blocked on a
+#: frozen or dead member cannot finish, so the ring is aborted then and the member stops between rings.
+STOP_GRACE_S = 1.0
+
+
 def params_crc32(params: dict[str, torch.Tensor]) -> int:
     """CRC-32 of the flat parameter buffers' bytes, in dtype order (a replica's fingerprint)."""
     crc = 0
@@ -88,6 +101,10 @@ class RingWorkerNode(WorkerNode):
         self.epoch = 0
         self.cursor = 0  # examples of this epoch's order the ring has used
         self.resyncs = 0
+        # Stopped while out of the ring (its step failed and no new ring came before the stop): the
+        # replica is not the ring's, so no final evaluation, and no final report (the scheduler has
+        # dropped this member already, or is ending the job).
+        self.out_of_ring = False
         self.bytes_out = 0.0
         # Opened before the server starts (Node.run): the server and the ring's clients then offer shared
         # memory to members on this host, and the flat gradient buffer lives in it (main()), so ring pieces
@@ -119,6 +136,16 @@ class RingWorkerNode(WorkerNode):
                                        member=-1, code="ring_reformed"))
         self.ring_changed.set()
         return Ack()
+
+    async def abort_ring_when_stopped(self) -> None:
+        """Once told to stop, give the step in flight :data:`STOP_GRACE_S` to carry the stop vote, then abort
+        the ring: a collective blocked on a frozen member would otherwise wait for ``[collective] timeout_s``."""
+        await self.stopping.wait()
+        await asyncio.sleep(STOP_GRACE_S)
+        ring = self.ring
+        if ring is not None and ring.error is None:
+            self.log.info("ring_abandoned", generation=ring.generation, reason="stopping")
+            ring.abort(RingBroken(f"{self.id} is stopping", member=-1, code="stopped"))
 
     # ---------------------------------------------------------------- the ring
     async def use_assigned_ring(self) -> Ring:
@@ -154,6 +181,7 @@ class RingWorkerNode(WorkerNode):
         self.assigned = RingAssign(ring=int(r["generation"]), members=tuple(r["members"]),
                                    addresses=tuple(r["addresses"]), rank=int(r["rank"]))
         self.batch_size = int(welcome.info.get("batch_size") or self.batch_size)
+        self.spawn(self.abort_ring_when_stopped(), name="stop-watch")
         try:
             await self.use_assigned_ring()
             await self.train_ring(replica, data)
@@ -161,7 +189,7 @@ class RingWorkerNode(WorkerNode):
             self.failed = f"{exc.__class__.__name__}: {exc}"
             raise
         finally:
-            if not self.failed:
+            if not self.failed and not self.out_of_ring:
                 await self.send_ring_report(done=True)
             if self.ring is not None:
                 self.bytes_out += self.ring.stats["bytes_sent"]
@@ -239,7 +267,12 @@ class RingWorkerNode(WorkerNode):
                 ring_op = await self.resync(self.ring, flat, optimizers)
             except RingError as exc:
                 self.log.warning("resync_failed", generation=self.ring.generation, error=str(exc))
-                ring_op = await self.rejoin_ring(flat, optimizers)
+                rejoined = await self.rejoin_ring(flat, optimizers)
+                if rejoined is None:
+                    self.out_of_ring = True
+                    buckets.remove()
+                    return
+                ring_op = rejoined
         # Per-step wall time (compute, all-reduce, update; not evaluation or reports), for the job manager's
         # measured iteration time: the first step is left out (it connects the ring and warms up).
         timed_s, timed_steps = 0.0, 0
@@ -287,7 +320,11 @@ class RingWorkerNode(WorkerNode):
                 except RingError as exc:
                     await asyncio.gather(*ops.values(), return_exceptions=True)
                     self.log.warning("step_dropped", step=self.step, error=str(exc))
-                    ring_op = await self.rejoin_ring(flat, optimizers)
+                    rejoined = await self.rejoin_ring(flat, optimizers)
+                    if rejoined is None:
+                        self.out_of_ring = True
+                        break
+                    ring_op = rejoined
                     continue
                 ring_op += n_ops
                 self.busy_s += busy
@@ -313,6 +350,10 @@ class RingWorkerNode(WorkerNode):
                 await self.ring_tick(model, data)
         finally:
             buckets.remove()
+        if self.out_of_ring:
+            # Stopped between rings: this replica may be a step behind the ring's and is not evaluated.
+            self.log.info("stopped_out_of_ring", step=self.step)
+            return
         # The replica's fingerprint, for the report: every member's must be the same.
         self.metrics["params_crc32"] = float(params_crc32(flat.params))
         if self.ring is not None and self.ring.rank == 0:
@@ -333,21 +374,25 @@ class RingWorkerNode(WorkerNode):
             self.next_report = now + self.cfg.train.report_interval_s
 
     # ---------------------------------------------------------------- losing a member
-    async def rejoin_ring(self, flat: Any, optimizers: dict[str, Any]) -> int:
+    async def rejoin_ring(self, flat: Any, optimizers: dict[str, Any]) -> int | None:
         """After a failed step: wait for the scheduler's re-formed ring (bounded: the liveness rules
         re-form it within 3 heartbeat intervals), build it and resync with the survivors; again if
-        that ring breaks too. Returns the new ring's next op number."""
+        that ring breaks too. Returns the new ring's next op number, or None when the node was told
+        to stop first (SIGTERM, the job's end, or the scheduler refusing a member that was dropped
+        while it hung: a frozen member, thawed, finds the ring gone on without it): a stop, not a
+        failure."""
         wait_s = 2 * self.collective_timeout_s + 3 * self.cfg.job.heartbeat_interval_s
         deadline = time.monotonic() + wait_s
         while True:
+            if self.stopping.is_set():  # a new ring would only be aborted (abort_ring_when_stopped)
+                return None
             while self.ring is not None and self.assigned is not None and self.assigned.ring <= self.ring.generation:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RingBroken(f"{self.id}: a ring step failed and no re-formed ring came within {wait_s:.1f} s",
                                      member=-1, code="timeout")
                 if self.stopping.is_set():
-                    raise RingBroken(f"{self.id}: stopped while waiting for a re-formed ring", member=-1,
-                                     code="stopped")
+                    return None
                 self.ring_changed.clear()
                 try:
                     await asyncio.wait_for(self.ring_changed.wait(), min(left, 0.5))

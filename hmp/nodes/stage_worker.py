@@ -30,12 +30,24 @@ Backpressure: activations and gradients wait in the engine's queue; once ``4 * [
 micro_batches`` of them are queued (more than a schedule can legitimately have in flight for one
 worker: its micro-batches' activations and gradients, of this step and of the next), the handler
 of the next one waits until the engine has taken one.
+
+Every wait on a peer gives way (docs/pipeline.md, "Faults"): the engine's wait for activations or
+gradients ends with a stop (SIGTERM, the scheduler's shutdown or stop) or a new plan (the
+scheduler re-plans when a neighbour is lost); a send to a neighbour that stopped reading (its
+queue full) is abandoned on a stop or a new plan; the waits for the shards' replies (a push, a
+pull) end at once on a stop, and the last push gets :data:`LAST_PUSH_GRACE_S` to land before
+the worker leaves. The scheduler's ``shards`` message is handled as by the other workers
+(:mod:`hmp.nodes.worker`, docs/protocol.md, "Shard restarts"): while a shard is down the pulls
+and pushes to it wait; when it is back (at a new address after a restart) the requests in
+flight are sent again, each push with the same ``seq`` so that a shard that applied it already
+does not apply it twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -45,16 +57,26 @@ import torch
 from hmp.client import PSClient
 from hmp.train.evaluate import evaluate
 from hmp.config import Config
-from hmp.errors import HmpError
+from hmp.errors import HmpError, RemoteError, RequestError, TransportError
 from hmp import job
-from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Report, StageAssign
+from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Report, Shards, StageAssign
 from hmp.nodes.base import Node
 from hmp.pipeline.chunks import stage_chunk_keys
 from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
 from hmp.pipeline.stage import StageCompute
 from hmp.flat import chunk_views
 from hmp.placement.profiler import param_layers
+from hmp.transport.eager import start_eager
 from hmp.transport.endpoint import Client
+
+#: Seconds the last push of a worker that was told to stop (SIGTERM, the scheduler's shutdown) may
+#: still take to be answered before it is abandoned: a live shard answers in milliseconds, a frozen
+#: or dead one never does.
+LAST_PUSH_GRACE_S = 1.0
+
+
+class Stopped(Exception):
+    """The node was told to stop while the engine waited on a peer (internal: ends the engine)."""
 
 
 class StagePSClient(PSClient):
@@ -92,6 +114,15 @@ class StagePSClient(PSClient):
         views = self._param_grads[0]
         for n, p in self._named.items():
             p.grad = views[n]
+
+    def push_buffer(self, buffer: int, samples: int, seq: int) -> list[Any]:
+        """The push requests of gradient buffer ``buffer`` (:meth:`PSClient.push_requests`), whichever
+        buffer is in use now: a push sent again after a shard change sends the buffer it was made from."""
+        in_use, self._grads = self._grads, self._grad_sets[buffer]
+        try:
+            return self.push_requests(samples=samples, seq=seq)
+        finally:
+            self._grads = in_use
 
     @property
     def grads(self) -> dict[int, torch.Tensor]:
@@ -134,17 +165,58 @@ class StageWorkerNode(Node):
         self.t0 = time.monotonic()
         self.plan_t0, self.plan_samples, self.plan_busy = self.t0, 0, 0.0
         self.plan_push, self.plan_idle = 0.0, 0.0
+        self._stop_waiter: asyncio.Future | None = None  # one task for every race against `stopping`
+        # Resolved when a plan newer than the one running arrives (a send to a neighbour gives way to it).
+        self._new_plan: asyncio.Future | None = None
+        self.newest_plan = -1
+        # The PS shards as the scheduler last said (``shards`` messages), as in hmp.nodes.worker.
+        self.shard_epoch = 0
+        self.shard_addresses: dict[str, str] = {}
+        self.shards_down: set[str] = set()
+        self._shards_changed: asyncio.Future | None = None
+        self.push_seq = time.time_ns() // 1000  # new to every shard after a restart of this worker
+        self.push_retries = 0
 
     def handlers(self):
         return {**super().handlers(), Kind.STAGE_ASSIGN: self.on_stage_assign,
-                Kind.ACTIVATIONS: self.on_data, Kind.GRADIENTS: self.on_data}
+                Kind.ACTIVATIONS: self.on_data, Kind.GRADIENTS: self.on_data, Kind.SHARDS: self.on_shards}
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), **self.metrics}
 
     async def on_stage_assign(self, msg: StageAssign, peer: bytes) -> Message:
         self.events.put_nowait(msg)
+        if msg.plan > self.newest_plan:
+            self.newest_plan = msg.plan
+            if self._new_plan is not None and not self._new_plan.done():
+                self._new_plan.set_result(msg.plan)
         return Ack(detail=f"plan {msg.plan}")
+
+    async def on_shards(self, msg: Shards, peer: bytes) -> Message:
+        """The scheduler: a shard went down or came back (as :meth:`hmp.nodes.worker.WorkerNode.on_shards`)."""
+        scheduler = self.cfg.scheduler.id
+        if msg.sender != scheduler:
+            raise RequestError(f"shards from {msg.sender!r}: only the scheduler ({scheduler!r}) may send it",
+                               "unauthorized")
+        if msg.epoch <= self.shard_epoch:
+            return Ack(detail=f"change {msg.epoch} is older than {self.shard_epoch}")
+        self._learn_shards(msg.epoch, msg.shards, msg.down)
+        self.log.warning("shards_changed", epoch=msg.epoch, down=sorted(self.shards_down))
+        if self._shards_changed is not None and not self._shards_changed.done():
+            self._shards_changed.set_result(msg.epoch)
+        ps = getattr(self, "ps", None)
+        versions = dict(getattr(ps, "shard_versions", {}) or {})
+        return Ack(detail=json.dumps({"versions": versions}))
+
+    def _learn_shards(self, epoch: int, shards: Any, down: Any) -> None:
+        self.shard_epoch = epoch
+        self.shard_addresses.update({str(sid): str(addr) for sid, addr in shards})
+        self.shards_down = set(down)
+
+    def _next_shard_change(self) -> asyncio.Future:
+        if self._shards_changed is None or self._shards_changed.done():
+            self._shards_changed = asyncio.get_running_loop().create_future()
+        return self._shards_changed
 
     async def on_data(self, msg: Message, peer: bytes) -> None:
         """Activations or gradients (one-way: no reply), queued for the engine; waits while the queue is full."""
@@ -173,6 +245,9 @@ class StageWorkerNode(Node):
         if welcome is None:
             return
         shards = [tuple(s) for s in welcome.info["shards"]]
+        if int(welcome.info.get("shard_epoch", 0)) > self.shard_epoch:  # no shards message since: the welcome's view
+            self._learn_shards(int(welcome.info["shard_epoch"]), welcome.info["shards"],
+                               welcome.info.get("shards_down", ()))
         self.ps = StagePSClient(self.sharded, shards, name=self.id, cfg=self.cfg,
                                 timeout_s=self.cfg.limits.request_timeout_s)
         await self.ps.connect()
@@ -183,25 +258,99 @@ class StageWorkerNode(Node):
         reports = self.spawn(self.report_loop(), name="reports")
         try:
             await self.engine()
+        except Stopped:
+            self.log.info("engine_stopped", step=self.step)
         except Exception as exc:
             self.failed = f"{exc.__class__.__name__}: {exc}"
             raise
         finally:
             try:
-                await self.settle_push()  # the last update lands before the worker leaves
+                # The last update lands before the worker leaves; stopped, it is given a moment only.
+                await self.or_stop(self.settle_push(), grace_s=LAST_PUSH_GRACE_S)
+            except Stopped:
+                self.abandon_pushes()
             except Exception as exc:
                 self.log.warning("last_push_failed", error=str(exc))
             reports.cancel()
             await asyncio.wait({reports})
             if not self.failed:
                 await self.send_report(done=True)
-            await self.ps.leave(self.failed or "done")
+            # Stopped (SIGTERM, the scheduler's stop): a frozen shard is not waited for long.
+            await self.ps.leave(self.failed or "done", timeout_s=1.0 if self.stopping.is_set() else 5.0)
             await self.ps.close()
             if self.eval_ps is not None:
                 await self.eval_ps.close()
             for c in self.peers.values():
                 await c.close()
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
+            if self._stop_waiter is not None:
+                self._stop_waiter.cancel()
+
+    # ---------------------------------------------------------------- waits that give way
+    async def or_stop(self, aw: Any, grace_s: float = 0.0) -> Any:
+        """``await aw`` (a coroutine or future) and return its result, unless the node is told to stop
+        (``stopping``: SIGTERM, the scheduler's shutdown, a failure) first and ``aw`` does not finish
+        within ``grace_s`` more: then it is cancelled (and waited for) and this raises Stopped."""
+        task = asyncio.ensure_future(aw)
+        if self._stop_waiter is None or self._stop_waiter.done():
+            self._stop_waiter = asyncio.ensure_future(self.stopping.wait())
+        try:
+            if not task.done():
+                await asyncio.wait({task, self._stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and grace_s > 0:
+                await asyncio.wait({task}, timeout=grace_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Stopped()
+
+    async def with_shards(self, request: Callable[[], Any], what: str, client: PSClient | None = None) -> Any:
+        """``await request()`` (a pull or push of ``client``, default the stage's) and return its result.
+        While a shard is down it waits; when a shard goes down or comes back with the request in flight,
+        the request is abandoned and sent again, to the new addresses (as hmp.nodes.worker.WorkerNode.
+        with_shards; the caller makes it give way to a stop)."""
+        client = self.ps if client is None else client
+        while True:
+            while self.shards_down:  # until the scheduler says it is back (or the job fails and stops us)
+                await asyncio.wait({self._next_shard_change()})
+            for sid, address in client.shard_addresses:
+                new = self.shard_addresses.get(sid, address)
+                if new != address:
+                    self.log.info("shard_moved", shard=sid, old=address, new=new)
+                    await client.readdress(sid, new)
+            epoch, changed = self.shard_epoch, self._next_shard_change()
+            task = asyncio.ensure_future(request())
+            try:
+                await asyncio.wait({task, changed}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise
+            if task.done():
+                try:
+                    return task.result()
+                except (RemoteError, TransportError) as exc:
+                    if epoch == self.shard_epoch and not self.shards_down:
+                        raise
+                    self.log.info(f"{what}_failed_during_shard_change", error=str(exc))
+            else:  # the shards changed first: abandon this try
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.push_retries += 1
+            self.log.info(f"{what}_retry", epoch=self.shard_epoch, down=sorted(self.shards_down))
+
+    def abandon_pushes(self) -> None:
+        """Stopped with pushes unanswered (a frozen or dead shard): give them up."""
+        if self.pushes:
+            self.log.info("push_abandoned", pushes=len(self.pushes), reason="stopping")
+        for _, task in self.pushes:
+            task.cancel()
+        self.pushes.clear()
 
     async def engine(self) -> None:
         stop = asyncio.create_task(self._stop_signal())
@@ -237,7 +386,7 @@ class StageWorkerNode(Node):
     async def reconfigure(self, a: StageAssign) -> None:
         if self.compute is not None:
             self.metrics["aborted_micro_batches"] += self.compute.abort()
-        await self.settle_push()  # the old stage's last updates land; the buffers are free again
+        await self.or_stop(self.settle_push())  # the old stage's last updates land; the buffers are free again
         self.ps.reset_buffers()
         self.assign, self.compute = a, None
         # Keep what arrived for this plan before its assignment did (a neighbour that got its own
@@ -257,7 +406,7 @@ class StageWorkerNode(Node):
         owner = param_layers(self.sharded.model)
         self.stage_params = tuple(n for n, i in owner.items() if a.start <= i < a.stop)
         self.ps.restrict(stage_chunk_keys(self.sharded.layout, a.start, a.stop, owner))
-        await self.ps.pull()  # this stage's parameters, from the shards
+        await self.or_stop(self.with_shards(self.ps.pull, "pull"))  # this stage's parameters, from the shards
         self.step_mbs = micro_batches_of(a.index, a.width, a.micro_batches)
         self.done_mbs = set()
         self.log.info("stage_assigned", plan=a.plan, stage=a.stage, layers=f"{a.start}-{a.stop - 1}",
@@ -355,8 +504,31 @@ class StageWorkerNode(Node):
     async def send_to(self, addresses: tuple[str, ...], msg: Activations | Gradients) -> None:
         """One-way, zero-copy: the tensor is not touched again (it is freed once sent). This does not
         wait for the peer: the frames are handed to libzmq at once (the await only yields when the
-        peer's high-water mark is reached)."""
-        await self.peers[addresses[worker_for(msg.micro_batch, len(addresses))]].send(msg)
+        peer's high-water mark is reached: a neighbour that stopped reading). Such a wait gives way
+        to a stop (Stopped) and to a newer plan (the message is dropped: the new plan aborts this step)."""
+        peer = self.peers[addresses[worker_for(msg.micro_batch, len(addresses))]]
+        task = start_eager(peer.send(msg), asyncio.get_running_loop())
+        if task is None:
+            return
+        if self._new_plan is None or self._new_plan.done():
+            self._new_plan = asyncio.get_running_loop().create_future()
+        if self.assign is not None and self.newest_plan > self.assign.plan:
+            self._new_plan.set_result(self.newest_plan)
+        try:
+            await self.or_stop(self._first(task, self._new_plan))
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled():
+            task.result()
+            return
+        self.log.info("send_abandoned", peer=peer.address, reason="a new plan", plan=self.newest_plan)
+
+    @staticmethod
+    async def _first(task: asyncio.Future, other: asyncio.Future) -> None:
+        """Returns once ``task`` is done or ``other`` resolved (neither is cancelled)."""
+        await asyncio.wait({task, other}, return_when=asyncio.FIRST_COMPLETED)
 
     async def maybe_finish_step(self) -> None:
         """Drain done: push this stage's gradients (the mean over its micro-batches) without waiting
@@ -374,7 +546,8 @@ class StageWorkerNode(Node):
                 with torch.no_grad():
                     for k in keys:
                         grads[k].div_(n)  # n per-micro-batch mean gradients were summed
-                self.pushes.append((self.ps.buffer, asyncio.gather(*self.ps.push_requests(samples=samples))))
+                self.push_seq += 1
+                self.pushes.append((self.ps.buffer, self.start_push(self.ps.buffer, samples, self.push_seq)))
                 # The next step accumulates into the other buffer once its push (the previous
                 # step's) has been answered: the reply implies the shards received its frames.
                 other = 1 - self.ps.buffer
@@ -384,7 +557,8 @@ class StageWorkerNode(Node):
                 if self.cfg.placement.overlap_push:
                     await asyncio.sleep(0)  # let the requests go out now, not after the next step's fill
                 else:
-                    await self.settle_push()  # the next step runs on the values this push produces
+                    await self.wait_pushes()  # the next step runs on the values this push produces
+                    self.write_done_pushes()
             self.metrics.update(samples=self.metrics["samples"] + samples, updates=self.metrics["updates"] + 1)
             self.plan_samples += samples
             self.step += 1
@@ -394,14 +568,21 @@ class StageWorkerNode(Node):
             for m in held:
                 await self.handle(m)
 
+    def start_push(self, buffer: int, samples: int, seq: int) -> asyncio.Future[list[Message]]:
+        """Push gradient buffer ``buffer`` (its replies, once answered); sent again after a shard change,
+        with the same ``seq``, so that a shard applies it once."""
+        return asyncio.ensure_future(self.with_shards(
+            lambda: asyncio.gather(*self.ps.push_buffer(buffer, samples, seq)), "push"))
+
     async def wait_pushes(self, which: Callable[[int], bool] = lambda b: True) -> None:
-        """Wait for the replies of the pushes in flight from the buffers ``which`` selects."""
+        """Wait for the replies of the pushes in flight from the buffers ``which`` selects; Stopped
+        when the node is told to stop first (the pushes stay in flight: see main())."""
         pending = [t for b, t in self.pushes if which(b) and not t.done()]
         if not pending:
             return
         t0 = time.perf_counter()
         try:
-            await asyncio.wait(pending)
+            await self.or_stop(asyncio.wait(pending))
         finally:
             dt = time.perf_counter() - t0
             self.push_s += dt
@@ -417,7 +598,15 @@ class StageWorkerNode(Node):
 
     async def settle_push(self) -> None:
         """Wait for every push in flight and write its values (call only with no saved graph)."""
-        await self.wait_pushes()
+        pending = [t for _, t in self.pushes if not t.done()]
+        if pending:
+            t0 = time.perf_counter()
+            try:
+                await asyncio.wait(pending)  # not wait_pushes: the caller decides how this gives way to a stop
+            finally:
+                dt = time.perf_counter() - t0
+                self.push_s += dt
+                self.plan_push += dt
         self.write_done_pushes()
 
     # ---------------------------------------------------------------- metrics
@@ -465,13 +654,17 @@ class StageWorkerNode(Node):
             self.eval_ps = PSClient(model, shards, name=f"{self.id}-eval", cfg=self.cfg,
                                     timeout_s=self.cfg.limits.request_timeout_s)
             await self.eval_ps.connect()
-        await self.eval_ps.pull()
+        await self.with_shards(self.eval_ps.pull, "pull", self.eval_ps)
         return await asyncio.to_thread(evaluate, self.eval_ps.model, self.data.x_test, self.data.y_test)
 
     async def send_report(self, done: bool = False) -> None:
         assert self.scheduler is not None
+        if self.scheduler_lost:
+            return
         try:
-            reply = await self.scheduler.request(Report(metrics=self.current_metrics(), done=done), timeout_s=10)
+            # Stopping (SIGTERM, a failure): a frozen or dead scheduler is not waited for long.
+            reply = await self.scheduler.request(Report(metrics=self.current_metrics(), done=done),
+                                                 timeout_s=2.0 if self.stopping.is_set() else 10.0)
         except HmpError as exc:
             self.log.warning("report_failed", error=str(exc))
             return

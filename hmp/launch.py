@@ -3,6 +3,9 @@
 ``--hosts HOSTS.toml``: run each daemon on the emulated host its ``[[nodes]] host`` names (network
 namespaces on a rate-limited bridge, docs/emulate.md; needs root); they are removed afterwards.
 
+``--engine ray [--address ADDR]``: run each daemon as (a child of) a Ray actor on a Ray cluster, or on a local
+Ray instance started for the job without ``--address`` (docs/ray.md; needs ``pip install "hmp[ray]"``).
+
 Exit code 0 when the job finished, 1 when a daemon failed (its log tail is printed) or emulated hosts
 cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
 """
@@ -66,6 +69,8 @@ async def _launch(args: argparse.Namespace) -> int:
 
     cfg = job.with_env(job.load(args.config))
     hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+    if args.engine == "ray":
+        from hmp.ray_engine import RayCluster  # importable: main() checked
     bar = ProgressBar(cfg.train.epochs)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -79,11 +84,18 @@ async def _launch(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    cluster = LocalCluster(cfg, resume=args.resume, hosts=args.hosts)  # a bad placement: ConfigError, exit 2
-    print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
+    cluster: Any  # LocalCluster or RayCluster: the same interface
+    if args.engine == "ray":
+        cluster = RayCluster(cfg, address=args.address, resume=args.resume)
+        where = f"the Ray cluster at {args.address}" if args.address else "a local Ray instance"
+        print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path} on {where}; logs in {cfg.report_dir / 'logs'}",
+              flush=True)
+    else:
+        cluster = LocalCluster(cfg, resume=args.resume, hosts=args.hosts)  # a bad placement: ConfigError, exit 2
+        print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
     try:
         async with cluster:
-            if cluster.hosts is not None:
+            if isinstance(cluster, LocalCluster) and cluster.hosts is not None:
                 placed = {h: [n.id for n in cfg.nodes if n.host == h] for h in cluster.hosts.names}
                 print("hmp-launch: emulated hosts from " + args.hosts + ": " + ", ".join(
                     f"{h} {cluster.hosts.address(h)} {cluster.hosts.hosts[h].spec.bandwidth_mbit:g} Mbit/s "
@@ -96,6 +108,9 @@ async def _launch(args: argparse.Namespace) -> int:
                 return 1
     except EmulationUnavailable as exc:
         print(f"hmp-launch: no emulated hosts here: {exc}", file=sys.stderr)
+        return 1
+    except JobFailed as exc:  # while starting (under Ray: a daemon that never served, an actor Ray cannot place)
+        print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
         return 1
     except asyncio.CancelledError:
         bar.close()
@@ -116,6 +131,8 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"  {ev.get('node')} {ev.get('event')} at {ev.get('t', 0):.1f} s: {ev.get('why', '')}")
     for r in cluster.restarts:
         print(f"  {r['node']} restarted by the launcher (attempt {r['attempt']}, exit code {r['exit_code']})")
+    for lost in report.get("ray", {}).get("lost", []):
+        print(f"  {lost['node']} lost at {lost['t']:.1f} s: its Ray actor died ({lost['error']})")
     if report.get("work_redone"):
         print(f"  work redone: {report['work_redone']} examples handed out again")
     print(f"report: {cfg.report_dir / 'report.json'}, plot: {cfg.report_dir / 'loss.png'}")
@@ -130,8 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None, help="fail the job after this many seconds")
     ap.add_argument("--hosts", metavar="HOSTS.toml", default=None,
                     help="run each daemon on the emulated host its [[nodes]] host names (docs/emulate.md; needs root)")
+    ap.add_argument("--engine", choices=["local", "ray"], default="local",
+                    help="local: every daemon a process of this machine (default); ray: each a Ray actor (docs/ray.md)")
+    ap.add_argument("--address", metavar="ADDR", default=None,
+                    help="--engine ray: the Ray cluster to join (e.g. auto, 10.0.0.1:6379); default: start a local one")
     args = ap.parse_args(argv)
-    if forkserver.enabled():
+    if args.engine == "ray" and args.hosts:
+        ap.error("--hosts is for the local engine; under Ray, [[nodes]] host names a Ray node (docs/ray.md)")
+    if args.address and args.engine != "ray":
+        ap.error("--address needs --engine ray")
+    if args.engine == "ray":
+        try:  # before anything slow: Ray missing is known in a fraction of a second
+            import hmp.ray_engine  # noqa: F401
+        except ImportError as exc:
+            print(f"hmp-launch: --engine ray: {exc}", file=sys.stderr)
+            return 2
+    if forkserver.enabled() and args.engine == "local":
         forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
     try:
         return uvloop.run(_launch(args))

@@ -13,6 +13,11 @@
     medians of those per-cycle ratios (``_spread``: min, quartiles, max):
     ``ratio_vs_gloo_allreduce`` (ps_shm; ps_sync with ``--no-shm``), ``ratio_tcp_vs_gloo_allreduce``
     (ps_sync) and ``ratio_async_vs_gloo_allreduce`` (ps_async).
+    The cost of replication (``[ps] replicas = 2``, docs/resilience.md): ``ps_replicated`` is ps_async
+    with a backup of every chunk on the other shard (each push is forwarded to the backup and answered
+    once the backup applied it), timed in the block next to ps_async: ``replicated_round_ms`` and
+    ``replication_cost_ratio`` (median per-cycle ratio of replicated / unreplicated time per round;
+    1.0 = free). ``--no-replicated`` leaves it out.
 (b) End-to-end training, ``bench/train.py`` (see its docstring): a throughput-bound job (a
     14.7 M-parameter MLP on generated dense data, 2 workers x batch 64) trained by hmp
     (``LocalCluster``: scheduler, PS shards, 2 ``cpu_worker`` s; ``--modes``, default sync)
@@ -23,7 +28,7 @@
     runs; ``_spread``: the per-run ratios, each hmp run against the DDP runs around it), and time
     to a target training loss -> ``ratio_time_to_loss_vs_ddp`` (DDP time / hmp time).
 
-    python bench/ps.py [--json] [--quick] [--blocks N] [--rounds N] [--warm N] [--repeats N]
+    python bench/ps.py [--json] [--quick] [--blocks N] [--rounds N] [--warm N] [--repeats N] [--no-replicated]
                        [--ddp-runs N] [--modes sync,async] [--epochs N] [--target-loss L] [--skip push|train]
 
 With ``--json`` the last line is one JSON object with every figure: ``ratio_vs_gloo_allreduce``
@@ -62,6 +67,8 @@ MiB = 1 << 20
 # exactly 16 MiB of parameters, cut into 16 chunks of 1 MiB.
 PUSH_MODEL = {"in_features": 4095, "width": 1, "depth": 0, "classes": 1024}
 PUSH_NUMEL = 4095 * 1024 + 1024
+# Data the push model fits (the config loader checks it); only the scheduler loads it, and nothing trains on it.
+PUSH_DATA = 'kind = "synthetic"\nargs = { n = 256, n_features = 4095, num_classes = 1024 }'
 WORKERS = ("w0", "w1")
 REPLY_TIMEOUT_S = 180.0
 
@@ -75,7 +82,7 @@ def free_port() -> int:
 def write_config(folder: Path, *, consistency: str, model: str, model_args: dict[str, Any], chunk_bytes: int,
                  workers: list[tuple[str, str]], target: float = 0.0, eval_every_s: float = 1.0,
                  epochs: int = 20, max_seconds: float = 600.0, join_timeout_s: float = 60.0,
-                 optimizer: str = 'name = "sgd"\nlr = 0.05\nmomentum = 0.9') -> Path:
+                 optimizer: str = 'name = "sgd"\nlr = 0.05\nmomentum = 0.9', data: str = 'kind = "digits"') -> Path:
     """A one-machine job on fixed loopback ports: scheduler, ps0, ps1 and the given workers.
 
     ``workers`` is ``[(id, extra TOML lines), ...]`` (all ``cpu_worker``).
@@ -95,7 +102,7 @@ args = {{ {args} }}
 seed = 0
 
 [data]
-kind = "digits"
+{data}
 
 [optimizer]
 {optimizer}
@@ -261,11 +268,14 @@ def _gloo_worker(rank: int, port: int, numel: int, conn: Any, barrier: Any) -> N
     guard(conn, body)
 
 
-def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path, shm: bool = True) -> dict[str, Any]:
+def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path, shm: bool = True,
+               replicated: bool = True) -> dict[str, Any]:
     """Rounds/s of each peer: ``blocks`` cycles of one short block (``rounds`` timed rounds after
-    ``warm`` untimed ones) per peer, in the order ps_async, ps_sync, gloo, ps_shm reversed every
-    other cycle, so that gloo is always adjacent to both sync peers; per-cycle ratios and their
-    spread. ``modes`` are the TCP peers' consistencies; ``shm`` adds ps_shm (sync, shared memory)."""
+    ``warm`` untimed ones) per peer, in the order ps_replicated, ps_async, ps_sync, gloo, ps_shm
+    reversed every other cycle, so that gloo is always adjacent to both sync peers and ps_replicated
+    to ps_async; per-cycle ratios and their spread. ``modes`` are the TCP peers' consistencies;
+    ``shm`` adds ps_shm (sync, shared memory); ``replicated`` adds ps_replicated (async, TCP,
+    ``[ps] replicas = 2``; needs "async" in ``modes``)."""
     if warm + rounds > 60:
         raise ValueError("at most 60 rounds per block, warm-up included (gloo's summed values must stay finite)")
     from hmp.config import load
@@ -273,21 +283,24 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
     daemons: dict[str, Daemons] = {}
     peers: dict[str, Peer] = {}
     t0 = time.perf_counter()
-    # peer -> (consistency, shared memory); listed in block order
-    ps_peers = {f"ps_{m}": (m, False) for m in reversed(modes)}
+    # peer -> (consistency, shared memory, replicas); listed in block order
+    replicated = replicated and "async" in modes
+    ps_peers = {"ps_replicated": ("async", False, 2)} if replicated else {}
+    ps_peers.update({f"ps_{m}": (m, False, 1) for m in reversed(modes)})
     if shm:
-        ps_peers["ps_shm"] = ("sync", True)
+        ps_peers["ps_shm"] = ("sync", True, 1)
     order = [n for n in ps_peers if not ps_peers[n][1]] + ["gloo"] + [n for n in ps_peers if ps_peers[n][1]]
     try:
         port = free_port()
         peers["gloo"] = Peer("gloo", _gloo_worker, lambda r: (r, port, PUSH_NUMEL))
-        for name, (mode, use_shm) in ps_peers.items():
+        for name, (mode, use_shm, replicas) in ps_peers.items():
             folder = tmp / f"push-{name}"
             folder.mkdir()
             cfg_path = write_config(folder, consistency=mode, model="deep_mlp", model_args=PUSH_MODEL,
                                     chunk_bytes=MiB, workers=[(w, "") for w in WORKERS], join_timeout_s=3600,
-                                    optimizer='name = "sgd"\nlr = 0.01\nmomentum = 0.9')
-            cfg_path.write_text(cfg_path.read_text() + f"\n[shm]\nenabled = {str(use_shm).lower()}\n")
+                                    optimizer='name = "sgd"\nlr = 0.01\nmomentum = 0.9', data=PUSH_DATA)
+            text = cfg_path.read_text().replace("[ps]\n", f"[ps]\nreplicas = {replicas}\n")
+            cfg_path.write_text(text + f"\n[shm]\nenabled = {str(use_shm).lower()}\n")
             cfg = load(cfg_path)
             shards = [(s.id, s.bind) for s in cfg.shards]
             daemons[name] = Daemons(cfg_path, [("scheduler", "scheduler"), ("ps", "ps0"), ("ps", "ps1")],
@@ -325,8 +338,16 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
         res[f"{name}_rounds_per_s_blocks"] = summary(rps[name], 2)
         if cpu[name]:
             res[f"{name}_cpu_ms_per_round"] = round(1e3 * quantile(cpu[name], 0.5), 2)
+    if replicated:  # time per round replicated / unreplicated, adjacent blocks of each cycle
+        rs = ratios(rps["ps_async"], rps["ps_replicated"])
+        res["replicated_round_ms"] = res["ps_replicated_ms_per_round"]
+        res["unreplicated_round_ms"] = res["ps_async_ms_per_round"]
+        res["replication_cost_ratio"] = round(quantile(rs, 0.5), 3)
+        res["replication_cost_ratio_spread"] = spread(rs)
     keys = {"ps_shm": "ratio_vs_gloo_allreduce", "ps_sync": "ratio_tcp_vs_gloo_allreduce"}
     for name in ps_peers:
+        if name == "ps_replicated":
+            continue
         key = keys.get(name, f"ratio_{name.removeprefix('ps_')}_vs_gloo_allreduce")
         rs = ratios(rps[name], rps["gloo"])
         res[key] = round(quantile(rs, 0.5), 3)
@@ -354,6 +375,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=30, help="(a) alternating cycles: one timed block per peer each")
     ap.add_argument("--rounds", type=int, default=4, help="(a) timed rounds per block (warm + rounds <= 60)")
     ap.add_argument("--warm", type=int, default=1, help="(a) untimed rounds before each block")
+    ap.add_argument("--no-replicated", action="store_true",
+                    help="(a) leave out ps_replicated (async with [ps] replicas = 2: the cost of replication)")
     ap.add_argument("--no-shm", action="store_true",
                     help="(a) leave out the shared-memory peer (ratio_vs_gloo_allreduce is then TCP's)")
     train.add_args(ap)
@@ -371,7 +394,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hmp-bench-ps-") as d:
         tmp = Path(d)
         if args.skip != "push":
-            res["push"] = bench_push(args.blocks, args.rounds, args.warm, ["sync", "async"], tmp, shm=not args.no_shm)
+            res["push"] = bench_push(args.blocks, args.rounds, args.warm, ["sync", "async"], tmp, shm=not args.no_shm,
+                                     replicated=not args.no_replicated)
         if args.skip not in ("train", "digits"):
             res["train"] = train.run_from_args(args, tmp)
     res["load_avg_before"], res["load_avg_after"] = load_before, load_average()
@@ -397,7 +421,8 @@ def report(res: dict[str, Any], train: Any) -> None:
         print(f"{'peer (rounds/s per block)':<34}{'median':>8}{'min':>8}{'p25':>8}{'p75':>8}{'max':>8}"
               f"{'ms/round':>10}{'CPU ms/round':>14}")
         for name, label in (("gloo", "gloo all_reduce"), ("ps_shm", "hmp PS push, sync, shared memory"),
-                            ("ps_sync", "hmp PS push, sync, TCP"), ("ps_async", "hmp PS push, async, TCP")):
+                            ("ps_sync", "hmp PS push, sync, TCP"), ("ps_async", "hmp PS push, async, TCP"),
+                            ("ps_replicated", "hmp PS push, async, TCP, replicas 2")):
             if f"{name}_rounds_per_s" in p:
                 c = p.get(f"{name}_cpu_ms_per_round")
                 b = p[f"{name}_rounds_per_s_blocks"]
@@ -409,6 +434,10 @@ def report(res: dict[str, Any], train: Any) -> None:
         for key, what in (("ratio_tcp_vs_gloo_allreduce", "sync, TCP"), ("ratio_async_vs_gloo_allreduce", "async, TCP")):
             if f"{key}_spread" in p:
                 print(f"  {key:<31}{fmt_spread(p[f'{key}_spread'])} ({what})")
+        if "replication_cost_ratio_spread" in p:
+            print(f"  {'replication_cost_ratio':<31}{fmt_spread(p['replication_cost_ratio_spread'])} (async TCP: "
+                  f"time per round, replicas 2 / replicas 1; {p['replicated_round_ms']:.1f} vs "
+                  f"{p['unreplicated_round_ms']:.1f} ms)")
     if "train" in res:
         print()
         train.report(res["train"])

@@ -46,6 +46,7 @@ class Kind(enum.Enum):
     DROP = "drop"
     DISCOVER = "discover"
     SHARDS = "shards"
+    REPLICAS = "replicas"
     # data
     INIT = "init"
     PUSH = "push"
@@ -55,6 +56,7 @@ class Kind(enum.Enum):
     ACTIVATIONS = "activations"
     GRADIENTS = "gradients"
     RING = "ring"
+    REPLICATE = "replicate"
 
     @property
     def is_control(self) -> bool:
@@ -64,7 +66,7 @@ class Kind(enum.Enum):
 _CONTROL = frozenset({Kind.JOIN, Kind.WELCOME, Kind.HEARTBEAT, Kind.LEAVE, Kind.SHUTDOWN, Kind.ACK,
                       Kind.ERROR, Kind.REPORT, Kind.ASSIGN, Kind.STATUS, Kind.WORK,
                        Kind.STAGE_ASSIGN, Kind.RING_ASSIGN, Kind.SHM, Kind.SHM_RELEASE, Kind.SUBMIT,
-                      Kind.DROP, Kind.DISCOVER, Kind.SHARDS})
+                      Kind.DROP, Kind.DISCOVER, Kind.SHARDS, Kind.REPLICAS})
 
 
 def _tensor_bytes(t: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -355,6 +357,22 @@ class Shards(Message):
     epoch: int = 0
 
 
+@message(Kind.REPLICAS)
+class Replicas(Message):
+    """Scheduler -> PS shard (``[ps] replicas = 2``; docs/resilience.md): who holds each chunk group now.
+    ``groups`` is ``[[group, primary, backup], ...]``: a group is the chunks first assigned to the shard of
+    that id, ``primary`` the shard serving them, ``backup`` the shard keeping a copy ("": none, the group
+    runs unreplicated). ``epoch`` orders these changes with :class:`Shards` (one counter): an older one
+    arriving late is ignored. A shard named primary of a group it held as backup takes over at once
+    (promotion); a primary whose group has a new backup sends it a copy (:class:`Replicate`, ``op``
+    ``"state"``). ``shards`` is ``[[id, address], ...]`` of the shards (where the backups are). Answered by
+    :class:`Ack` once the shard acts on it."""
+
+    groups: tuple[tuple[str, ...], ...] = ()
+    shards: tuple[tuple[str, str], ...] = ()
+    epoch: int = 0
+
+
 # ----------------------------------------------------------------------------- data kinds
 
 @message(Kind.INIT)
@@ -442,6 +460,31 @@ class RingPiece(Message):
     step: int
     part: int
     values: Tensor
+
+
+@message(Kind.REPLICATE)
+class Replicate(Message):
+    """Primary shard -> the backup of its chunk group ``group`` (docs/resilience.md): apply what the
+    primary applied, in the primary's order. ``fseq`` numbers the primary's forwards of the group
+    (1, 2, ...; a state copy restarts the count at its own ``fseq``): the backup applies ``fseq`` =
+    last + 1, answers a repeat (``fseq`` <= last) without applying it, and refuses a gap.
+
+    ``op``: ``"push"`` (async, ssp: ``worker``'s push number ``seq`` with ``grads`` for ``keys`` from
+    ``samples`` examples, applied as the primary applied it); ``"round"`` (sync: the round's averaged
+    gradients, ``round_seqs`` the push numbers it applied per worker); ``"init"`` (chunk values set by
+    ``init``, in ``grads``); ``"state"`` (a whole copy: ``grads`` is one uint8 tensor, the serialized
+    state of the group's chunks, optimizer, version and push numbers). Answered by :class:`Ack` once
+    applied: only then does the primary answer the push it forwarded."""
+
+    group: str
+    fseq: int
+    op: str = "push"
+    keys: tuple[int, ...] = ()
+    grads: tuple[Tensor, ...] = ()
+    worker: str = ""
+    seq: int = 0
+    samples: int = 0
+    round_seqs: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- schema

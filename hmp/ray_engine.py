@@ -513,7 +513,7 @@ class RayCluster:
                               "" if is_scheduler else self._scheduler_address, self.cfg.report_dir,
                               self.cfg.ps.checkpoint_dir)
         args = [node.role, "--id", node.id]
-        if node.role == self._role.PS and self.resume:
+        if node.role in (self._role.PS, self._role.SCHEDULER) and self.resume:
             args.append("--resume")
         started = await self.actors[node_id].start.remote(text, args, self.cfg.job.join_timeout_s)
         placed.update(started)

@@ -30,6 +30,29 @@ class RunReport:
     #: known (its heartbeats, the workers' last replies from it), ``resumed_version`` its checkpoint's, ``updates_lost`` the difference
     #: (None until the restarted shard's first heartbeat)
     shard_restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: (``[ps] replicas = 2``) primary shards lost while the job ran, each failed over to its backup:
+    #: ``{shard, t, detected_after_s, promoted, promote_s, epoch}``; ``promoted`` maps each chunk group (named by the
+    #: shard that first held it) to the shard now primary for it, ``detected_after_s`` is the silence that declared it
+    #: lost, ``promote_s`` the time from then until every promoted shard had taken over (None until they answered)
+    shard_failovers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: (``[ps] replicas = 2``) chunk groups that had no backup for a while (no live shard to hold one):
+    #: ``{group, primary, from_t, until_t}`` (``until_t`` None: unreplicated until the end)
+    unreplicated: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: each ``--resume`` that continued this run: ``{at, from, elapsed_s, epoch, cursor}`` (``at``: UTC time of the
+    #: resume; ``from``: the scheduler state file; the rest: where the previous part had got). Times in the report
+    #: run on across the parts: a resumed part's ``t`` starts at the previous part's ``elapsed_s``.
+    resumes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def state(self) -> dict[str, Any]:
+        """Everything collected so far, as plain data (JSON): what a resumed scheduler continues from
+        (:meth:`from_state`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], **override: Any) -> RunReport:
+        """The report :meth:`state` saved (``override``: fields to replace, e.g. the config's path)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in state.items() if k in names}, **override})
 
     def _worker(self, worker_id: str) -> dict[str, Any]:
         return self.workers.setdefault(worker_id, {"series": [], "final": {}})
@@ -62,7 +85,10 @@ class RunReport:
         return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
                 "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "rings": self.rings,
                 "membership": self.membership, "work_redone": self.work_redone,
-                "shard_restarts": self.shard_restarts, "workers": self.summary(),
+                "shard_restarts": self.shard_restarts, "shard_failovers": self.shard_failovers,
+                "unreplicated": self.unreplicated, "ran_unreplicated": bool(self.unreplicated),
+                "resumed": self.resumes,
+                "workers": self.summary(),
                 "series": {w: d["series"] for w, d in self.workers.items()}}
 
 

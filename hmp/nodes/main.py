@@ -32,8 +32,10 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--id", required=True, help="this node's id in the config's [[nodes]]")
     ap.add_argument("--log-format", choices=["auto", "console", "json"], default=None,
                     help="override [job] log_format")
-    if role == Role.PS:
-        ap.add_argument("--resume", action="store_true", help="continue from this shard's last checkpoint")
+    if role in (Role.PS, Role.SCHEDULER):
+        ap.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint (shards) or saved state (scheduler: epochs, "
+                             "counters, report)")
     return ap.parse_args(argv)
 
 
@@ -66,7 +68,7 @@ def _run(role: str, argv: list[str] | None = None) -> int:
     async def go() -> int:
         if role == Role.SCHEDULER:
             from hmp.nodes.scheduler import SchedulerNode as cls
-            node = cls(cfg, args.id)
+            node = cls(cfg, args.id, resume=args.resume)
         elif role == Role.PS:
             from hmp.nodes.ps_shard import PSShardNode
             node = PSShardNode(cfg, args.id, resume=args.resume)

@@ -27,6 +27,16 @@ Shared memory (``[shm]``, docs/shm.md): the shard opens its process's arena when
 from workers on this host arrive as read-only views of the workers' gradient buffers (read here,
 never kept past the reply), and the reply's copy of the values is made into a reply slot of the
 arena, which the workers on this host read in place; everyone else gets frames as before.
+
+Replicas (``[ps] replicas = 2``, docs/resilience.md): the shard serves as primary the chunk groups in
+:attr:`PSShardNode.cores` (its own, plus any it took over) and keeps a copy of the groups in
+:attr:`PSShardNode.backups`. What a primary applies (a push, a sync round, an ``init``) it forwards to
+the group's backup (``replicate``, numbered per group, over one connection per backup so the order
+holds) and answers the push only once the backup acknowledged it. A forward whose backup is lost waits
+for the scheduler's ``replicas`` message: a new backup gets a whole copy taken after the update (it is
+in it), and with no backup left the update is acknowledged unreplicated. ``replicas`` also promotes:
+a shard named primary of a group it backs up serves it from then on (workers are told to send its
+pushes here; a retried push already applied is answered, not applied again).
 """
 
 from __future__ import annotations
@@ -35,14 +45,22 @@ import asyncio
 import time
 from typing import Any
 
+import torch
+
 from hmp import job
 from hmp.config import Config, Consistency, Role
-from hmp.errors import ConfigError, RequestError
-from hmp.messages import Ack, Drop, Init, Kind, Leave, Message, Params, Pull, Push
+from hmp.errors import ConfigError, RemoteError, RequestError
+from hmp.messages import Ack, Drop, Init, Kind, Leave, Message, Params, Pull, Push, Replicas, Replicate
 from hmp.nodes.base import Node
 from hmp.ps.optim import chunk_optimizer_of
 from hmp.ps.shard_core import CheckpointError, ShardCore
+from hmp.ps.sharding import initial_replicas
+from hmp.transport.endpoint import Client
 from hmp.transport.shm import Arena, ShmSettings, open_process_arena
+
+
+#: seconds before a forward the backup refused (it may not know the new map yet) is sent again
+FORWARD_RETRY_S = 0.05
 
 
 class PSShardNode(Node):
@@ -50,11 +68,28 @@ class PSShardNode(Node):
 
     def __init__(self, cfg: Config, node_id: str, resume: bool = False) -> None:
         super().__init__(cfg, node_id)
-        sharded = job.sharded_model(cfg)
-        index = [s.id for s in cfg.shards].index(node_id)
-        initial = sharded.initial_chunks(index)
-        self.core = ShardCore(node_id, initial, *chunk_optimizer_of(cfg), cfg.train.consistency, cfg.train.staleness,
-                              workers=[w.id for w in cfg.workers])
+        sharded = self.sharded = job.sharded_model(cfg)
+        self.shard_ids = [s.id for s in cfg.shards]
+        initial = sharded.initial_chunks(self.shard_ids.index(node_id))
+        self.core = self._new_core(node_id)
+        #: the chunk groups this shard serves as primary (its own; more once it took over a lost one's)
+        self.cores: dict[str, ShardCore] = {node_id: self.core}
+        #: [ps] replicas = 2: the groups it keeps a copy of, fed by their primaries' forwards
+        self.backups: dict[str, ShardCore] = {}
+        #: group -> (primary, backup) as the scheduler last said (at first: shard_ids order, initial_replicas)
+        self.replica_of: dict[str, tuple[str, str]] = (initial_replicas(self.shard_ids)
+                                                       if cfg.ps.replicas > 1 else {})
+        self.replica_epoch = 0
+        for group, (_, backup) in self.replica_of.items():
+            if backup == node_id:  # every node builds the same initial values: the copy starts identical
+                self.backups[group] = self._new_core(group)
+        self._forwarded: dict[str, int] = {}  # primary side: forwards sent per group (Replicate.fseq)
+        self._applied_forward: dict[str, int] = {}  # backup side: the last fseq applied per group
+        self._backup_clients: dict[str, Client] = {}  # by backup shard id: one ordered connection each
+        self._replicas_changed: asyncio.Future | None = None  # resolved at the next replicas message
+        self._round_forward: dict[str, asyncio.Task] = {}  # sync: a finished round's forward, per group
+        self._resumed = resume
+        self.shard_addresses: dict[str, str] = {}  # by shard id, as the scheduler says (where backups are)
         self.checkpoint_path = job.checkpoint_dir(cfg) / f"{node_id}.pt"
         # The next write rotates the current checkpoint into the previous one's place, except after
         # a resume that had to fall back: the damaged file is then replaced and the good one kept.
@@ -64,7 +99,7 @@ class PSShardNode(Node):
         self.step = self.core.version  # the heartbeats' step: a restart's lost updates are counted from it
         self.log.info("chunks_owned", chunks=len(initial), bytes=sum(t.numel() * t.element_size() for t in initial.values()))
         self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
-        self._round_done: asyncio.Future | None = None
+        self._round_done: dict[str, asyncio.Future] = {}  # sync: the round in progress, per group
         self._last_checkpoint = self.core.updates_applied  # updates in the last checkpoint written
         # The last checkpoint tried, written or not: a failing disk is retried at the configured pace, not
         # on every push.
@@ -75,12 +110,20 @@ class PSShardNode(Node):
         # SSP pushes waiting for the bound, by (worker, seq): each resolved True once applied, False if not
         self._ssp_waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0, "checkpoints": 0, "checkpoint_failures": 0,
-                      "drops": 0, "duplicates": 0}
+                      "drops": 0, "duplicates": 0, "forwards": 0, "forwards_applied": 0, "promotions": 0,
+                      "copies_sent": 0, "unreplicated_acks": 0}
         # A sweep's members are independent: one diverging member's NaN stays in its own slice of
         # every chunk, and refusing the push would stop the others too (its report shows it).
         self.reject_nonfinite = cfg.ps.reject_nonfinite and not cfg.sweep.members
         #: where reply copies go (main() opens the process arena; the server finds it there)
         self.arena: Arena | None = None
+
+    def _new_core(self, group: str) -> ShardCore:
+        """A core for chunk group ``group`` (the chunks first assigned to shard ``group``) at the model's
+        initial values, counting the job's workers."""
+        initial = self.sharded.initial_chunks(self.shard_ids.index(group))
+        return ShardCore(group, initial, *chunk_optimizer_of(self.cfg), self.cfg.train.consistency,
+                         self.cfg.train.staleness, workers=[w.id for w in self.cfg.workers])
 
     def _resume(self) -> None:
         """``--resume``: continue from the checkpoint, or from the one before it if it is damaged. No
@@ -103,15 +146,19 @@ class PSShardNode(Node):
 
     def handlers(self):
         return {**super().handlers(), Kind.PUSH: self.on_push, Kind.PULL: self.on_pull, Kind.INIT: self.on_init,
-                Kind.LEAVE: self.on_leave, Kind.DROP: self.on_drop}
+                Kind.LEAVE: self.on_leave, Kind.DROP: self.on_drop, Kind.REPLICAS: self.on_replicas,
+                Kind.REPLICATE: self.on_replicate}
 
     def status(self) -> dict[str, Any]:
         st = super().status()
         st.update(version=self.core.version, updates=self.core.updates_applied, samples=self.core.samples,
                   chunks=len(self.core.chunks), live_workers=sorted(self.core.live_workers), **self.stats)
+        if self.replica_of:
+            st.update(primary_of=sorted(self.cores), backup_of=sorted(self.backups), replica_epoch=self.replica_epoch,
+                      versions={g: c.version for g, c in {**self.backups, **self.cores}.items()})
         return st
 
-    def _params(self, keys: tuple[int, ...]) -> Params:
+    def _params(self, keys: tuple[int, ...], core: ShardCore | None = None) -> Params:
         """The reply carrying the chunks' current values, as copies.
 
         The copy is needed: a zero-copy reply would hand libzmq the shard's own chunk tensors, and
@@ -123,34 +170,53 @@ class PSShardNode(Node):
         trackers, no waits before a mutation and no ordering between updates and replies.
 
         With a shared-memory arena the copy goes into a reply slot (the same one copy): workers on
-        this host read it in place; for the others it is sent as frames, like a clone."""
-        values = self.core.values(keys)
+        this host read it in place; for the others it is sent as frames, like a clone.
+        ``core``: the chunk group's (default: this shard's own)."""
+        core = core or self.core
+        values = core.values(keys)
         copies = self.arena.reply_copies(values) if self.arena is not None else None
         if copies is None:  # no arena, small values, or no free slot: as before
             copies = tuple(v.clone() for v in values)
-        return Params(sender=self.id, keys=keys, values=copies, version=self.core.version)
+        return Params(sender=self.id, keys=keys, values=copies, version=core.version)
+
+    def _primary_core(self, keys: tuple[int, ...], what: str) -> ShardCore:
+        """The core of the chunk group this shard serves ``keys`` from (by the first key; ``check`` refuses
+        keys of another group). A key this shard only backs up is refused, naming its primary."""
+        if keys:
+            for core in self.cores.values():
+                if keys[0] in core.chunks:
+                    return core
+            for group, core in self.backups.items():
+                if keys[0] in core.chunks:
+                    primary = self.replica_of.get(group, ("?", ""))[0]
+                    raise RequestError(f"{what}: shard {self.id} holds chunk {keys[0]} as the backup of group "
+                                       f"{group}; its primary is {primary}", "unknown_key")
+        return self.core
 
     async def on_push(self, msg: Push, peer: bytes) -> Message:
         try:
-            self.core.check(msg.keys, msg.grads, "push")
+            core = self._primary_core(msg.keys, "push")
+            core.check(msg.keys, msg.grads, "push")
             if self.reject_nonfinite:
-                self.core.check_finite(msg.keys, msg.grads, "push")
+                core.check_finite(msg.keys, msg.grads, "push")
         except RequestError:
             self.stats["rejected"] += 1
             raise
         self.stats["pushes"] += 1
+        group = core.shard_id
         worker = msg.sender
-        seen = self.core.seen(worker, msg.seq)
+        seen = core.seen(worker, msg.seq)
         if seen == "applied":  # a retry of a push applied before (its reply was lost): not applied twice
             self.stats["duplicates"] += 1
-            return self._params(msg.keys)
-        if seen == "pending" and self._round_done is not None and not self._round_done.done():
+            return self._params(msg.keys, core)
+        round_done = self._round_done.get(group)
+        if seen == "pending" and round_done is not None and not round_done.done():
             self.stats["duplicates"] += 1  # sync: already in the round in progress; answered with it
             try:
-                version, values = await asyncio.wait_for(asyncio.shield(self._round_done),
+                version, values = await asyncio.wait_for(asyncio.shield(round_done),
                                                          self.cfg.limits.request_timeout_s)
             except TimeoutError:
-                raise RequestError(f"sync round {self.core.version} incomplete after "
+                raise RequestError(f"sync round {core.version} incomplete after "
                                    f"{self.cfg.limits.request_timeout_s} s", "timeout") from None
             return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version)
         waiting = self._ssp_waiting.get((worker, msg.seq)) if msg.seq else None
@@ -161,32 +227,38 @@ class PSShardNode(Node):
             except TimeoutError:
                 raise RequestError(f"{worker}'s push {msg.seq} still waits for the SSP bound", "timeout") from None
             if applied:
-                return self._params(msg.keys)
+                return self._params(msg.keys, core)
         if worker in self._departed:  # left or dropped, and pushing again: it came back
             self._departed.discard(worker)
-            self.core.add_worker(worker)
+            for c in self._all_cores():
+                c.add_worker(worker)
             self.log.info("worker_back", worker=worker)
         timeout = self.cfg.limits.request_timeout_s
-        if self.core.consistency == Consistency.SYNC:
-            if worker not in self.core.live_workers:
-                raise RequestError(f"{worker} is not in this sync group ({sorted(self.core.live_workers)})", "bad_request")
+        if core.consistency == Consistency.SYNC:
+            if worker not in core.live_workers:
+                raise RequestError(f"{worker} is not in this sync group ({sorted(core.live_workers)})", "bad_request")
             if self.stopping.is_set():  # the round would wait for members that are stopping too
-                raise RequestError(f"shard {self.id} is stopping; sync round {self.core.version} will not "
+                raise RequestError(f"shard {self.id} is stopping; sync round {core.version} will not "
                                    "complete", "shutting_down")
-            if self._round_done is None or self._round_done.done():
-                self._round_done = asyncio.get_running_loop().create_future()
-            round_done = self._round_done
-            self.core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq)
-            self._maybe_finish_round()
+            forwarding = self._round_forward.get(group)
+            if forwarding is not None and not forwarding.done():
+                # The last round's gradients are its aggregation buffers, sent to the backup as they are:
+                # the next round may write them only once the backup has them.
+                await asyncio.wait({forwarding}, timeout=timeout)
+            round_done = self._round_done.get(group)
+            if round_done is None or round_done.done():
+                round_done = self._round_done[group] = asyncio.get_running_loop().create_future()
+            core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq)
+            self._maybe_finish_round(core)
             try:
                 version, values = await asyncio.wait_for(asyncio.shield(round_done), timeout)
             except TimeoutError:
-                raise RequestError(f"sync round {self.core.version} incomplete after {timeout} s; waiting for "
-                                   f"{sorted(self.core.live_workers - self.core.round_members)}", "timeout") from None
+                raise RequestError(f"sync round {core.version} incomplete after {timeout} s; waiting for "
+                                   f"{sorted(core.live_workers - core.round_members)}", "timeout") from None
             # The round's values as copied when it finished (one copy shared by every member's reply).
             return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version)
         else:
-            if not self.core.ssp_ready(worker):
+            if not core.ssp_ready(worker):
                 # A retry of this push (the worker abandoned it when a shard went down) must not be
                 # applied too: it waits for this one (see above).
                 done = asyncio.get_running_loop().create_future()
@@ -196,14 +268,14 @@ class PSShardNode(Node):
                     async with self._changed:
                         try:
                             await asyncio.wait_for(self._changed.wait_for(
-                                lambda: self.core.ssp_ready(worker) or self.stopping.is_set()), timeout)
+                                lambda: core.ssp_ready(worker) or self.stopping.is_set()), timeout)
                         except TimeoutError:
-                            raise RequestError(f"{worker} stayed more than {self.core.staleness} updates ahead "
+                            raise RequestError(f"{worker} stayed more than {core.staleness} updates ahead "
                                                f"for {timeout} s", "timeout") from None
-                    if not self.core.ssp_ready(worker):
+                    if not core.ssp_ready(worker):
                         raise RequestError(f"shard {self.id} is stopping; {worker}'s push waited for the SSP "
                                            "bound and was not applied", "shutting_down")
-                    self.core.apply(worker, msg.keys, msg.grads, msg.samples, msg.seq)
+                    self._apply(core, msg)
                     done.set_result(True)
                 finally:
                     if not done.done():
@@ -211,34 +283,75 @@ class PSShardNode(Node):
                     if self._ssp_waiting.get((worker, msg.seq)) is done:
                         del self._ssp_waiting[(worker, msg.seq)]
             else:
-                self.core.apply(worker, msg.keys, msg.grads, msg.samples, msg.seq)
+                self._apply(core, msg)
             self.step = self.core.version
-            reply = self._params(msg.keys)  # this update's values, before anything else runs
+            reply = self._params(msg.keys, core)  # this update's values, before anything else runs
+            forward = self._forward(group, Replicate(group=group, fseq=0, op="push", keys=msg.keys, grads=msg.grads,
+                                                     worker=worker, seq=msg.seq, samples=msg.samples))
             async with self._changed:
                 self._changed.notify_all()
             self._maybe_checkpoint()
+            if forward is not None:  # acknowledged once the backup has it too
+                await forward
             return reply
 
-    def _maybe_finish_round(self) -> None:
-        if self.core.consistency == Consistency.SYNC and self.core.round_complete():
-            self.step = self.core.finish_round()
-            if self._round_done is not None and not self._round_done.done():
+    def _apply(self, core: ShardCore, msg: Push) -> None:
+        core.apply(msg.sender, msg.keys, msg.grads, msg.samples, msg.seq)
+
+    def _all_cores(self) -> list[ShardCore]:
+        """Every chunk group this shard holds, served or backed up: membership changes apply to all, so
+        that a backup promoted later counts the same workers as its primary did."""
+        return [*self.cores.values(), *self.backups.values()]
+
+    def _maybe_finish_round(self, core: ShardCore) -> None:
+        if core.consistency == Consistency.SYNC and core.round_complete():
+            group = core.shard_id
+            version = core.finish_round()
+            if core is self.core:
+                self.step = version
+            round_done = self._round_done.get(group)
+            if round_done is not None and not round_done.done():
                 # The replies' values, copied now (see _params): a member that has its reply may
                 # push into the next round before another member's reply is sent.
-                every = self._params(tuple(self.core.chunks))
-                self._round_done.set_result((every.version, dict(zip(every.keys, every.values))))
+                every = self._params(tuple(core.chunks), core)
+                result = (every.version, dict(zip(every.keys, every.values)))
+                keys, grads, seqs, samples = core.last_round or ((), (), {}, 0)
+                forward = self._forward(group, Replicate(group=group, fseq=0, op="round", keys=keys, grads=grads,
+                                                         samples=samples, round_seqs=seqs))
+                if forward is None:
+                    round_done.set_result(result)
+                else:  # the members are answered once the backup applied the round too
+                    self._round_forward[group] = asyncio.ensure_future(self._answer_round(forward, round_done, result))
             self._maybe_checkpoint()
 
+    @staticmethod
+    async def _answer_round(forward: asyncio.Future, round_done: asyncio.Future, result: Any) -> None:
+        try:
+            await forward
+        except BaseException as exc:  # the members get the forward's error (a stop)
+            if not round_done.done():
+                round_done.set_exception(exc if isinstance(exc, Exception) else
+                                         RequestError("the round's replication was cancelled", "shutting_down"))
+            return
+        if not round_done.done():
+            round_done.set_result(result)
+
     async def on_pull(self, msg: Pull, peer: bytes) -> Message:
-        self.core.check_keys(msg.keys)
+        core = self._primary_core(msg.keys, "pull")
+        core.check_keys(msg.keys)
         self.stats["pulls"] += 1
-        return self._params(msg.keys)
+        return self._params(msg.keys, core)
 
     async def on_init(self, msg: Init, peer: bytes) -> Message:
-        self.core.check(msg.keys, msg.values, "init")
+        core = self._primary_core(msg.keys, "init")
+        core.check(msg.keys, msg.values, "init")
         if self.reject_nonfinite:
-            self.core.check_finite(msg.keys, msg.values, "init")
-        self.core.set_values(msg.keys, msg.values)
+            core.check_finite(msg.keys, msg.values, "init")
+        core.set_values(msg.keys, msg.values)
+        forward = self._forward(core.shard_id, Replicate(group=core.shard_id, fseq=0, op="init", keys=msg.keys,
+                                                         grads=msg.values))
+        if forward is not None:
+            await forward
         return Ack(detail=f"{len(msg.keys)} chunks set")
 
     async def on_leave(self, msg: Leave, peer: bytes) -> Message:
@@ -262,21 +375,239 @@ class PSShardNode(Node):
 
     async def _remove_worker(self, worker: str) -> None:
         """Take ``worker`` out of sync rounds and SSP bounds; wake what waited for it."""
-        if worker in self.core.live_workers:
+        if any(worker in c.live_workers for c in self._all_cores()):
             self._departed.add(worker)  # only workers once counted: the set stays as small as the job
-        self.core.remove_worker(worker)
-        self._maybe_finish_round()
+        for c in self._all_cores():
+            c.remove_worker(worker)
+        for c in list(self.cores.values()):
+            self._maybe_finish_round(c)
         async with self._changed:
             self._changed.notify_all()
 
     async def _release_waiters(self) -> None:
         """On the way out, pushes waiting for a sync round or the SSP bound get a ``shutting_down`` error now
         rather than at ``request_timeout_s`` (the round will not complete: its members are told so)."""
-        if self._round_done is not None and not self._round_done.done():
-            self._round_done.set_exception(RequestError(
-                f"shard {self.id} is stopping; sync round {self.core.version} will not complete", "shutting_down"))
+        for group, round_done in self._round_done.items():
+            if not round_done.done():
+                version = self.cores[group].version if group in self.cores else "?"
+                round_done.set_exception(RequestError(
+                    f"shard {self.id} is stopping; sync round {version} of {group} will not complete",
+                    "shutting_down"))
+        self._wake_forwards()
         async with self._changed:
             self._changed.notify_all()
+
+    # ---------------------------------------------------------------- replicas ([ps] replicas = 2)
+    def _forward(self, group: str, msg: Replicate) -> asyncio.Future | None:
+        """Send what was just applied to ``group`` to its backup, now (in the order applied: the request is
+        queued on the backup's one connection before this returns); the future is done once the backup
+        applied it, or the group has no backup any more. None: the group has no backup."""
+        backup = self.replica_of.get(group, ("", ""))[1]
+        if not backup or backup == self.id or group not in self.cores:
+            return None
+        fseq = self._forwarded[group] = self._forwarded.get(group, 0) + 1
+        msg = msg.replace(fseq=fseq)
+        self.stats["forwards"] += 1
+        # Zero copy: the tensors are the received push's frames (or the round's buffers), kept alive until
+        # the backup's ack, which also says it read them (the request/reply pair orders both).
+        first = asyncio.ensure_future(self._send_forward(backup, msg))
+        return asyncio.ensure_future(self._replicated(group, backup, msg, first))
+
+    async def _send_forward(self, backup: str, msg: Replicate) -> Message:
+        """Send ``msg`` to shard ``backup`` on its one connection. Forwards are tasks started in the order
+        the updates were applied, and nothing here suspends before the message is queued (``connect`` does
+        not), so they leave in that order; the backup checks ``fseq`` all the same. The backup's address
+        comes with the scheduler's ``replicas`` message, which the first pushes may precede: they wait for it."""
+        timeout = self.cfg.limits.request_timeout_s
+        while not self.shard_addresses.get(backup):
+            try:
+                await asyncio.wait_for(asyncio.shield(self._next_replicas_change()), timeout)
+            except TimeoutError:
+                raise RequestError(f"shard {self.id} was not told where its backup {backup} is within {timeout} s",
+                                   "timeout") from None
+        address = self.shard_addresses[backup]
+        c = self._backup_clients.get(backup)
+        if c is None or c.address != address:
+            # Plain frames, no shared memory: the frames forwarded are views of other peers' memory.
+            old, c = c, Client(address, name=self.id, limits=self.limits, frame_bytes=self.cfg.limits.frame_bytes,
+                               timeout_s=timeout, job_token=self.cfg.job.token, shm=False)
+            await c.connect()
+            self._backup_clients[backup] = c
+            if old is not None:
+                await old.close()
+        return await c.request(msg)
+
+    async def _replicated(self, group: str, backup: str, msg: Replicate, first: asyncio.Future) -> None:
+        """Wait for the backup's ack of ``msg``. A backup that refuses it (it has not heard the scheduler's
+        new map yet, or an earlier forward is not in yet) is asked again shortly; one that does not answer
+        (lost) is left to the scheduler's next ``replicas``: a new backup receives a copy taken after this
+        update (so it holds it), no backup leaves it unreplicated (acknowledged). Bounded by
+        ``request_timeout_s``; a stop ends the wait with ``shutting_down``."""
+        timeout = self.cfg.limits.request_timeout_s
+        deadline = time.monotonic() + timeout
+        request, error = first, None
+        while True:
+            changed = self._next_replicas_change()
+            stop = asyncio.ensure_future(self.stopping.wait())
+            try:
+                await asyncio.wait({request, changed, stop}, timeout=max(0.0, deadline - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if request.done() and not changed.done() and not self.stopping.is_set():
+                    error = request.exception() if not request.cancelled() else None
+                    if error is None and not request.cancelled():
+                        self.stats["forwards_applied"] += 1
+                        return
+                    if isinstance(error, RemoteError) and time.monotonic() < deadline:
+                        # Refused: asked again shortly, unless the map changes meanwhile.
+                        await asyncio.wait({changed, stop}, timeout=FORWARD_RETRY_S, return_when=asyncio.FIRST_COMPLETED)
+                        if not changed.done() and not self.stopping.is_set():
+                            request = asyncio.ensure_future(self._send_forward(backup, msg))
+                            continue
+                    elif not isinstance(error, RemoteError):  # no answer: the scheduler says what now
+                        self.log.warning("forward_failed", group=group, backup=backup, fseq=msg.fseq, error=str(error))
+                        await asyncio.wait({changed, stop}, timeout=max(0.0, deadline - time.monotonic()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if request.done() and not request.cancelled() and request.exception() is None:
+                self.stats["forwards_applied"] += 1
+                return
+            if self.stopping.is_set():
+                request.cancel()
+                raise RequestError(f"shard {self.id} is stopping; the update of {group} was not replicated to "
+                                   f"{backup}", "shutting_down")
+            if not changed.done():
+                request.cancel()
+                raise RequestError(f"replication of {group} to {backup} failed and the scheduler named no other "
+                                   f"backup within {timeout} s: {error or 'no answer'}", "timeout")
+            now_backup = self.replica_of.get(group, ("", ""))[1] if group in self.cores else ""
+            if now_backup != backup:
+                request.cancel()
+                if not now_backup:
+                    self.stats["unreplicated_acks"] += 1
+                # A new backup was sent a copy taken after this update (apply_replicas), or there is none.
+                return
+            if request.done():  # the same backup, still named: once more (it checks fseq)
+                request = asyncio.ensure_future(self._send_forward(backup, msg))
+
+    def _next_replicas_change(self) -> asyncio.Future:
+        if self._replicas_changed is None or self._replicas_changed.done():
+            self._replicas_changed = asyncio.get_running_loop().create_future()
+        return self._replicas_changed
+
+    def _wake_forwards(self) -> None:
+        if self._replicas_changed is not None and not self._replicas_changed.done():
+            self._replicas_changed.set_result(None)
+
+    async def on_replicas(self, msg: Replicas, peer: bytes) -> Message:
+        """The scheduler: who is primary and backup of each chunk group now. Promotes the groups this
+        shard backed up and now serves, drops copies it no longer keeps, and sends each group it serves
+        whose backup changed a whole copy (before any later forward, on the same connection)."""
+        scheduler = self.cfg.scheduler.id
+        if msg.sender != scheduler:
+            raise RequestError(f"replicas from {msg.sender!r}: only the scheduler ({scheduler!r}) may send it",
+                               "unauthorized")
+        try:
+            groups = {str(g): (str(p), str(b)) for g, p, b in msg.groups}
+        except ValueError:
+            raise RequestError("replicas: groups must be [group, primary, backup] triples", "bad_request") from None
+        unknown = sorted(set(groups) - set(self.shard_ids))
+        if unknown:
+            raise RequestError(f"replicas: unknown chunk groups {unknown}; this job's are {self.shard_ids}",
+                               "bad_request")
+        if msg.epoch <= self.replica_epoch:
+            return Ack(detail=f"change {msg.epoch} is older than {self.replica_epoch}")
+        missing = [g for g, (p, _) in groups.items() if p == self.id and g not in self.cores and g not in self.backups]
+        if missing:  # nothing changes: the scheduler must not route these groups here
+            raise RequestError(f"shard {self.id} holds no copy of groups {missing}; cannot serve them", "bad_request")
+        self.apply_replicas(groups, msg.epoch, {str(sid): str(addr) for sid, addr in msg.shards})
+        return Ack(detail=f"change {msg.epoch}: primary of {sorted(self.cores)}, backup of {sorted(self.backups)}")
+
+    def apply_replicas(self, groups: dict[str, tuple[str, str]], epoch: int,
+                       addresses: dict[str, str] | None = None) -> None:
+        """Act on a replica map (``on_replicas``, a rejoin's welcome)."""
+        old, had_epoch = self.replica_of, self.replica_epoch > 0
+        if addresses:
+            self.shard_addresses.update(addresses)
+        self.replica_of, self.replica_epoch = dict(groups), epoch
+        for group, (primary, backup) in groups.items():
+            if primary == self.id and group not in self.cores and group in self.backups:
+                self.cores[group] = self.backups.pop(group)
+                self.stats["promotions"] += 1
+                self.log.warning("promoted", group=group, version=self.cores[group].version, epoch=epoch)
+            elif primary != self.id and group in self.cores:  # failed over while this shard was away
+                del self.cores[group]
+            if backup != self.id and primary != self.id and group in self.backups:
+                del self.backups[group]
+                self._applied_forward.pop(group, None)
+            elif backup == self.id and group not in self.backups:
+                # Its primary sends a whole copy: until then a placeholder at the initial values.
+                self.backups[group] = self._new_core(group)
+                self._applied_forward[group] = -1  # nothing but the copy is applied first
+        for group in list(self.cores):
+            backup = groups.get(group, ("", ""))[1]
+            if not backup:
+                if old.get(group, ("", ""))[1]:
+                    self.log.warning("unreplicated", group=group, epoch=epoch, why="no live shard to keep a backup")
+                continue
+            # A new backup, a group just taken over, or (the first map after --resume) a backup still at
+            # the initial values while this shard resumed from its checkpoint: a whole copy.
+            first_after_resume = self._resumed and not had_epoch
+            if first_after_resume or backup != old.get(group, ("", ""))[1] or old.get(group, ("", ""))[0] != self.id:
+                self._send_copy(group, backup)
+        self._wake_forwards()
+
+    def _send_copy(self, group: str, backup: str) -> None:
+        """Send ``backup`` a whole copy of ``group`` as it is now, queued before any later forward."""
+        fseq = self._forwarded[group] = self._forwarded.get(group, 0) + 1
+        msg = Replicate(group=group, fseq=fseq, op="state", grads=(self.cores[group].replica_bytes(),))
+        self.stats["copies_sent"] += 1
+        self.log.info("copy_sent", group=group, backup=backup, version=self.cores[group].version)
+        first = asyncio.ensure_future(self._send_forward(backup, msg))
+        task = asyncio.ensure_future(self._replicated(group, backup, msg, first))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self.log.warning(
+            "copy_failed", group=group, backup=backup, error=str(t.exception())))
+
+    async def on_replicate(self, msg: Replicate, peer: bytes) -> Message:
+        """A primary's forward: apply it to the group's copy, in the primary's order."""
+        group = msg.group
+        primary, backup = self.replica_of.get(group, ("", ""))
+        if not self.replica_of:
+            raise RequestError(f"replicate from {msg.sender!r}: this job keeps no replicas ([ps] replicas = 1)",
+                               "bad_request")
+        if msg.sender != primary or msg.sender == self.id:
+            raise RequestError(f"replicate of {group!r} from {msg.sender!r}: only the group's primary "
+                               f"({primary or 'none'!r}) may forward it", "unauthorized")
+        core = self.backups.get(group)
+        if backup != self.id or core is None:
+            raise RequestError(f"replicate of {group!r}: shard {self.id} is not its backup (epoch {self.replica_epoch})",
+                               "bad_request")
+        last = self._applied_forward.get(group, 0)
+        if msg.op == "state":
+            try:
+                core.load_replica_bytes(msg.grads[0] if msg.grads else torch.empty(0, dtype=torch.uint8))
+            except Exception as exc:  # another layout or a damaged copy: nothing changed
+                raise RequestError(f"replicate of {group!r}: unusable copy ({exc.__class__.__name__}: {exc})",
+                                   "bad_request") from None
+            self._applied_forward[group] = msg.fseq
+            self.log.info("copy_received", group=group, version=core.version, fseq=msg.fseq)
+            return Ack(detail=f"copy of {group} at version {core.version}")
+        if 0 <= msg.fseq <= last:  # a repeat (the primary retried): applied once
+            return Ack(detail=f"forward {msg.fseq} of {group} was applied already")
+        if last < 0 or msg.fseq != last + 1:
+            raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
+                               f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
+        core.check(msg.keys, msg.grads, "replicate")
+        if msg.op == "push":
+            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq)
+        elif msg.op == "round":
+            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs)
+        elif msg.op == "init":
+            core.set_values(msg.keys, msg.grads)
+        else:
+            raise RequestError(f"replicate: op must be push, round, init or state, got {msg.op!r}", "bad_request")
+        self._applied_forward[group] = msg.fseq
+        return Ack()
 
     def _maybe_checkpoint(self) -> None:
         """Start writing a checkpoint in the background when one is due (``checkpoint_every`` updates since
@@ -284,7 +615,7 @@ class PSShardNode(Node):
         one that finds a write in progress waits for the next update or timer tick after it)."""
         if self._checkpointing is not None and not self._checkpointing.done():
             return
-        updates = self.core.updates_applied
+        updates = self._updates()
         every, every_s = self.cfg.ps.checkpoint_every, self.cfg.ps.checkpoint_every_s
         by_updates = every and updates - self._last_attempt >= every
         by_time = (every_s and updates > self._last_checkpoint
@@ -327,24 +658,33 @@ class PSShardNode(Node):
         returns False: the previous checkpoint stays, and the shard keeps serving.
         """
         t0 = time.perf_counter()
-        snapshot = self.core.snapshot()
-        updates = self.core.updates_applied
+        # Every group this shard serves, each to its own file (a group taken over from a lost shard is
+        # written where that shard wrote it, so a whole-job --resume finds it there).
+        snapshots = {group: core.snapshot() for group, core in self.cores.items()}
+        updates = self._updates()
         self._last_attempt, self._last_attempt_at = updates, time.monotonic()
-        keep_previous = self._keep_previous
-        try:
-            await asyncio.to_thread(ShardCore.write, snapshot, self.checkpoint_path, keep_previous)
-        except OSError as exc:
-            self.stats["checkpoint_failures"] += 1
-            self.log.error("checkpoint_failed", path=str(self.checkpoint_path), version=snapshot["version"],
-                           error=f"{exc.strerror or exc} (errno {exc.errno})" if exc.errno else str(exc),
-                           kept=str(self.checkpoint_path) if self.checkpoint_path.exists() else "none yet")
-            return False
-        self._keep_previous = True
+        for group, snapshot in snapshots.items():
+            path = self.checkpoint_path if group == self.id else self.checkpoint_path.with_name(f"{group}.pt")
+            keep_previous = self._keep_previous if group == self.id else True
+            try:
+                await asyncio.to_thread(ShardCore.write, snapshot, path, keep_previous)
+            except OSError as exc:
+                self.stats["checkpoint_failures"] += 1
+                self.log.error("checkpoint_failed", path=str(path), version=snapshot["version"],
+                               error=f"{exc.strerror or exc} (errno {exc.errno})" if exc.errno else str(exc),
+                               kept=str(path) if path.exists() else "none yet")
+                return False
+            if group == self.id:
+                self._keep_previous = True
+            self.log.info("checkpoint_written", path=str(path), version=snapshot["version"],
+                          updates=updates, seconds=round(time.perf_counter() - t0, 4))
         self._last_checkpoint = max(self._last_checkpoint, updates)
         self.stats["checkpoints"] += 1
-        self.log.info("checkpoint_written", path=str(self.checkpoint_path), version=snapshot["version"],
-                      updates=updates, seconds=round(time.perf_counter() - t0, 4))
         return True
+
+    def _updates(self) -> int:
+        """Updates applied to the groups this shard serves (what checkpoints are counted in)."""
+        return sum(core.updates_applied for core in self.cores.values())
 
     async def main(self) -> None:
         if self.cfg.shm.enabled:  # before joining: workers learn of this shard only after
@@ -358,6 +698,10 @@ class PSShardNode(Node):
             if welcome is None:
                 return
             self.start_heartbeat()
+            replicas = welcome.info.get("replicas")
+            if replicas and int(replicas.get("epoch", 0)) > self.replica_epoch:  # a rejoin: the map as it is now
+                self.apply_replicas({str(g): (str(p), str(b)) for g, p, b in replicas["groups"]},
+                                    int(replicas["epoch"]), {str(i): str(a) for i, a in welcome.info["shards"]})
             if "workers" in welcome.info:  # a rejoin: the workers gone meanwhile hold no round or bound back
                 for worker in sorted(self.core.live_workers - set(welcome.info["workers"])):
                     await self._remove_worker(worker)
@@ -369,7 +713,9 @@ class PSShardNode(Node):
             await self._release_waiters()
             if self._checkpointing is not None:  # one write at a time: the final one goes last
                 await asyncio.gather(self._checkpointing, return_exceptions=True)
-            if self.welcome is not None or self.core.updates_applied > self._last_checkpoint:
+            if self.welcome is not None or self._updates() > self._last_checkpoint:
                 await self.checkpoint()
             if self.welcome is not None:
                 await self.leave(self.failed or "stopped")
+            for c in self._backup_clients.values():
+                await c.close()

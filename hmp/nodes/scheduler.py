@@ -10,35 +10,49 @@ every node hear ``shutdown`` through its heartbeat. A lost shard, or losing more
 ``[train] min_workers`` allows (see the core's rules), fails the job: every node is told to shut
 down and the scheduler exits non-zero. A worker that is gone while the job runs is dropped: every
 PS shard hears ``drop`` (:meth:`tell_shards_drop`) so that its sync rounds and SSP bounds stop
-waiting for it (docs/architecture.md, "Elastic workers").
+waiting for it (docs/architecture.md, "Elastic workers"). With ``[ps] replicas = 2`` a lost shard's
+chunk groups fail over: every live shard hears ``replicas`` first, then every worker ``shards``
+(:meth:`tell_replicas`; docs/resilience.md).
+
+Resuming (docs/resilience.md, "What --resume continues"): the scheduler saves its state (the core's
+``state_dict``: work cursor, workers' counters, the report so far) as ``scheduler.json`` next to the
+shards' checkpoints, every ``STATE_EVERY_S`` seconds and when the job ends however it ends (written off
+the event loop, atomically). Started with ``resume``, it continues from that file: the epochs go on
+where they were, and the report is appended to and says it was resumed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
-from hmp.errors import HmpError, RequestError
-from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Leave, Message, Report, RingAssign,
-                          Shards, Shutdown, StageAssign, Welcome, Work)
+from hmp.errors import ConfigError, HmpError, RequestError
+from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Leave, Message, Replicas, Report,
+                          RingAssign, Shards, Shutdown, StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import write_report
-from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, RingFormed, SchedulerCore,
-                                ShardsChanged, ShardsReady, StopDecided, WorkerDropped, WorkersDone)
+from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, ReplicasChanged, RingFormed,
+                                SchedulerCore, ShardsChanged, ShardsReady, StopDecided, WorkerDropped, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
 from hmp.transport.endpoint import Client
+
+
+#: seconds between saves of the scheduler's state (``scheduler.json``) while the job runs
+STATE_EVERY_S = 2.0
 
 
 class SchedulerNode(Node):
     role = Role.SCHEDULER
 
-    def __init__(self, cfg: Config, node_id: str) -> None:
+    def __init__(self, cfg: Config, node_id: str, resume: bool = False) -> None:
         super().__init__(cfg, node_id)
         sharded = job.sharded_model(cfg) if cfg.shards else None  # allreduce: no PS
         sharding = sharded.report().as_dict() if sharded is not None else {}
@@ -51,6 +65,10 @@ class SchedulerNode(Node):
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         self.dataset = job.dataset(cfg)
         self.core = SchedulerCore(cfg, n_train=len(self.dataset.y_train), sharding=sharding)
+        #: where the state a resumed scheduler continues from is saved (next to the shards' checkpoints)
+        self.state_path = job.checkpoint_dir(cfg) / "scheduler.json"
+        if resume:
+            self._resume()
         self.log.info("chunk_placement", **{k: v for k, v in sharding.items() if not isinstance(v, list)})
         # Set once worker joins are answered: every shard has joined (PS jobs) or the ring is formed.
         self.admitting = asyncio.Event()
@@ -63,6 +81,45 @@ class SchedulerNode(Node):
                                                 if cfg.placement.enabled else None)
         self.worker_clients: dict[str, Client] = {}
         self.shard_clients: dict[str, Client] = {}  # for drop messages
+
+    def _resume(self) -> None:
+        """``--resume``: continue from the saved state. None saved (a job that ended before schedulers
+        saved one) starts the counters from zero, saying so; an unreadable one or another job's is a
+        config error naming the file."""
+        path = self.state_path
+        try:
+            state = json.loads(path.read_text())
+        except FileNotFoundError:
+            self.log.warning("no_scheduler_state", path=str(path),
+                             consequence="the shards resume; epochs and the report start from zero")
+            return
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(path), "--resume", f"a readable scheduler state (scheduler.json) "
+                                                     f"({exc.__class__.__name__}: {exc})") from None
+        try:
+            self.core.resume(state, str(path))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(str(path), "--resume", f"the scheduler state of this job ({exc})") from None
+        self.log.info("resumed", path=str(path), epoch=self.core.work_epoch, cursor=self.core.work_cursor,
+                      elapsed_s=round(self.core.time_offset, 3), workers=sorted(self.core.resumed_progress))
+
+    async def save_state(self) -> None:
+        """Write the core's state (JSON, atomically) off the event loop; a failed write is logged, not fatal."""
+        state = self.core.state_dict(time.monotonic())
+        try:
+            await self.in_thread(_write_json, state, self.state_path)
+        except (OSError, TypeError, ValueError) as exc:
+            self.log.error("scheduler_state_failed", path=str(self.state_path), error=str(exc))
+
+    async def _save_state_periodically(self) -> None:
+        while not self.core.over and not self.stopping.is_set():
+            try:
+                await asyncio.wait_for(self.stopping.wait(), STATE_EVERY_S)
+                return
+            except TimeoutError:
+                pass
+            if self.core.t0 is not None:  # training has begun
+                await self.save_state()
 
     def handlers(self):
         return {**super().handlers(), Kind.JOIN: self.on_join, Kind.HEARTBEAT: self.on_heartbeat,
@@ -82,6 +139,13 @@ class SchedulerNode(Node):
             elif isinstance(ev, ShardsChanged):
                 self.log.warning("shards_changed", epoch=ev.epoch, down=list(ev.down), why=ev.why)
                 self._spawn_quietly(self.tell_workers_shards(ev), name=f"shards-{ev.epoch}")
+            elif isinstance(ev, ReplicasChanged):
+                self.log.warning("replicas_changed", epoch=ev.epoch, groups=[list(g) for g in ev.groups], why=ev.why)
+                for group, primary, backup in ev.groups:
+                    if not backup:
+                        self.log.warning("unreplicated", group=group, primary=primary,
+                                         why="no other live shard to keep its backup")
+                self._spawn_quietly(self.tell_replicas(ev), name=f"replicas-{ev.epoch}")
             elif isinstance(ev, RingFormed):
                 self.log.info("ring_formed", generation=ev.generation, members=list(ev.members))
                 if ev.generation == 1:
@@ -238,7 +302,43 @@ class SchedulerNode(Node):
             except HmpError as exc:
                 self.log.warning("drop_failed", shard=shard_id, worker=ev.node, error=str(exc))
 
-        await asyncio.gather(*(tell(s) for s in self.core.shard_ids))
+        await asyncio.gather(*(tell(s) for s in self.core.shard_ids if s not in self.core.failed_over))
+
+    async def shard_client(self, shard_id: str) -> Client | None:
+        """The connection to a shard's server (None: it has no address yet)."""
+        address = self.core.membership[shard_id].address
+        if not address:
+            return None
+        c = self.shard_clients.get(shard_id)
+        if c is None or c.address != address:
+            if c is not None:
+                await c.close()
+            c = self.shard_clients[shard_id] = self.client(address)
+            await c.connect()
+        return c
+
+    async def tell_replicas(self, ev: ReplicasChanged) -> None:
+        """Tell every live shard who serves and backs up each chunk group (all at once); once they
+        answered, the failover is done (the report's ``promote_s``) and the workers are told where each
+        group is served now: the promoted shards serve before any push is routed to them."""
+        msg = Replicas(groups=ev.groups, shards=ev.addresses, epoch=ev.epoch)
+        timeout = max(1.0, 3 * self.cfg.job.heartbeat_interval_s)
+
+        async def tell(shard_id: str) -> None:
+            try:
+                c = await self.shard_client(shard_id)
+                if c is not None:
+                    await c.request(msg, timeout_s=timeout)
+            except HmpError as exc:  # a shard that is itself gone is the liveness rules' business
+                self.log.warning("replicas_update_failed", shard=shard_id, epoch=ev.epoch, error=str(exc))
+
+        live = [s for s in self.core.shard_ids if s not in self.core.failed_over
+                and self.core.membership[s].state in (MemberState.LIVE, MemberState.SUSPECT)]
+        await asyncio.gather(*(tell(s) for s in live))
+        self.core.replicas_applied(ev.epoch, time.monotonic())
+        self._dispatch_events()
+        if ev.tell_workers:
+            await self.tell_workers_shards(ShardsChanged(ev.epoch, ev.shards, (), ev.why))
 
     async def tell_workers_shards(self, ev: ShardsChanged) -> None:
         """Tell every worker still in the job that a shard went down or came back (all at once): they
@@ -300,6 +400,7 @@ class SchedulerNode(Node):
 
     async def main(self) -> None:
         self.spawn(self.monitor(), name="monitor")
+        self.spawn(self._save_state_periodically(), name="save_state")
         if self.placement is not None:
             self.spawn(self.placement.run(), name="placement")
         try:
@@ -328,6 +429,8 @@ class SchedulerNode(Node):
             self.log.info("job_interrupted")
         else:
             await self.finish()
+        if self.core.t0 is not None:  # however it ended: a --resume continues from here
+            await self.save_state()
         self.core.end()
         await self.drain()
 
@@ -349,7 +452,7 @@ class SchedulerNode(Node):
     async def evaluate_shards(self) -> dict[str, Any]:
         """The test metrics of the parameters the shards hold now."""
         try:
-            shards = [(s.id, self.core.membership[s.id].address) for s in self.cfg.shards]
+            shards = [(s, address) for s, address in self.core.shard_addresses()]
             # Building the model and the report's plot are slow: on the compute thread, so that the
             # event loop keeps answering heartbeats meanwhile.
             client = await self.in_thread(lambda: PSClient.from_config(self.cfg, shards, name=self.id))
@@ -371,3 +474,18 @@ class SchedulerNode(Node):
                     and now - m.last_seen <= LOST_AFTER * interval]:
                 break
             await asyncio.sleep(0.05)
+
+
+def _write_json(state: dict[str, Any], path: Path) -> None:
+    """Write ``state`` as JSON to ``path`` atomically (temp file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -20,7 +20,14 @@ Shard restarts (docs/protocol.md, "Shard restarts"): the scheduler's ``shards`` 
 shard is down or back (at a new address when it was restarted). A push in flight is then
 abandoned, and once no shard is down it is sent again with the same ``seq``: a shard that had
 applied it answers with its current values without applying it twice. Pushes number from the
-worker's start time in microseconds, so a restarted worker's pushes are new to every shard.
+worker's start time in microseconds, so a restarted worker's pushes are new to every shard. With
+replicated shards (``[ps] replicas = 2``) the same ``shards`` message maps a lost shard's id to the
+address of the shard that took its chunks over, and the pushes in flight are re-sent there the same way.
+
+A resumed job (``--resume``, docs/resilience.md): the welcome's ``resume`` holds this worker's counters
+as the previous part left them (samples, updates, epoch), which go on from there, and ``start_epoch``
+the epoch its static data share starts from (first-come-first-served work comes from the scheduler's
+cursor, which goes on by itself).
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class WorkerNode(Node):
         self.push_seq = time.time_ns() // 1000  # see the module docstring: new to every shard after a restart
         self.push_retries = 0
         self.ps: PSClient | None = None  # once admitted
+        self.start_epoch = 0  # --resume: the first epoch of a static data share
+        self.samples_before = 0  # --resume: the samples of the previous parts
 
     def handlers(self):
         return {**super().handlers(), Kind.SHARDS: self.on_shards}
@@ -121,6 +130,12 @@ class WorkerNode(Node):
         self.start_heartbeat()
         info = welcome.info
         self.batch_size = int(info.get("batch_size") or self.batch_size)
+        resumed = info.get("resume") or {}
+        if resumed:  # a resumed job: the counters go on from the previous part's
+            self.metrics.update({k: resumed[k] for k in ("samples", "updates", "epoch") if k in resumed})
+            self.step = int(resumed.get("updates", 0))
+            self.samples_before = self.metrics["samples"]
+        self.start_epoch = int(info.get("start_epoch", 0))
         ps = PSClient(sharded, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
                       timeout_s=self.cfg.limits.request_timeout_s)
         self.ps = ps
@@ -231,7 +246,8 @@ class WorkerNode(Node):
 
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)
-        return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
+        done_here = self.metrics["samples"] - self.samples_before  # a resumed part's rate is its own
+        return {**self.metrics, "samples_per_s": done_here / wall, "busy_fraction": self.busy_s / wall,
                 "batch_size": float(self.batch_size), "busy_s": self.busy_s, "bytes_out": float(ps.bytes_out),
                 "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
 
@@ -275,7 +291,7 @@ class WorkerNode(Node):
         if not self.first_come_first_served:
             lo, hi = n * index // count, n * (index + 1) // count
             mine = ShuffledBatches(hi - lo, seed=(self.cfg.data.seed, index))
-            for epoch in range(t.epochs):
+            for epoch in range(self.start_epoch, t.epochs):
                 self.metrics["epoch"] = epoch
                 yield lo + mine.order(epoch)
             return

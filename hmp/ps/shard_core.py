@@ -24,6 +24,13 @@ checkpoints with the parameters it belongs to), and :meth:`ShardCore.seen` tells
 push was applied already: it is answered with the current values, not applied twice. In sync mode
 a contribution counts as applied once its round is (:attr:`ShardCore.round_seq` until then): a
 shard restarted from a checkpoint taken mid-round expects the round's contributions again.
+
+Replicas (``[ps] replicas = 2``, docs/resilience.md): a backup shard keeps a core of its primary's chunk
+group fed with what the primary applied: :meth:`ShardCore.apply` with the forwarded push (async, ssp),
+:meth:`ShardCore.apply_round` with the round's averaged gradients (sync, :attr:`ShardCore.last_round`).
+The optimizers are deterministic, so the same gradients applied in the same order give a bit-identical
+copy: values, optimizer state, version and push numbers. :meth:`ShardCore.replica_bytes` is a whole
+copy, for a new backup (:meth:`ShardCore.load_replica_bytes`).
 """
 
 from __future__ import annotations
@@ -125,6 +132,10 @@ class ShardCore:
         # contributed to the round in progress, applied when the round is.
         self.last_seq: dict[str, int] = {}
         self.round_seq: dict[str, int] = {}
+        self.round_samples = 0  # sync: the examples of the round in progress
+        #: sync: what the last finish_round applied, ``(keys, gradients, seqs, samples)``, for a backup
+        #: (:meth:`apply_round`); the gradients are the aggregation buffers, valid until the next round starts
+        self.last_round: tuple[tuple[int, ...], tuple[torch.Tensor, ...], dict[str, int], int] | None = None
         for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
             self.add_worker(w)
 
@@ -238,25 +249,68 @@ class ShardCore:
             accumulate(c.agg, g, first=c.contributors == 0)
             c.contributors += 1
         self.samples += samples
+        self.round_samples += samples
 
     def round_complete(self) -> bool:
         return bool(self.round_members) and self.live_workers <= self.round_members
 
     def finish_round(self) -> int:
         """Sync: average and apply the round's gradients; returns the new version."""
+        applied: list[int] = []
         for c in self.chunks.values():
             if c.contributors:
                 if c.contributors > 1:
                     scale_(c.agg, 1.0 / c.contributors)
                 c.optimizer.step(c.param, c.agg)
                 c.contributors = 0
+                applied.append(c.key)
         self.round_members.clear()
         for w, seq in self.round_seq.items():
             self.last_seq[w] = max(seq, self.last_seq.get(w, 0))
+        self.last_round = (tuple(applied), tuple(self.chunks[k].agg for k in applied), dict(self.round_seq),
+                           self.round_samples)
         self.round_seq.clear()
+        self.round_samples = 0
         self.version += 1
         self.updates_applied += 1
         return self.version
+
+    def apply_round(self, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
+                    seqs: dict[str, int]) -> int:
+        """A backup (sync): apply a round its primary completed (:attr:`last_round`: the averaged
+        gradients, the push numbers it applied per worker, its examples); returns the new version."""
+        for k, g in zip(keys, grads):
+            c = self.chunks[k]
+            c.optimizer.step(c.param, g)
+        for w, seq in seqs.items():
+            self.last_seq[w] = max(int(seq), self.last_seq.get(w, 0))
+        self.samples += samples
+        self.version += 1
+        self.updates_applied += 1
+        return self.version
+
+    # ---------------------------------------------------------------- replicas
+    def replica_bytes(self) -> torch.Tensor:
+        """A whole copy of this core for a new backup, serialized (uint8): its :meth:`state_dict` plus the
+        workers counted in sync rounds and SSP bounds and their clocks. Serialized rather than sent as
+        tensors: it happens once per new backup, and one tensor keeps the message's schema flat."""
+        state = self.state_dict()
+        state["live_workers"] = sorted(self.live_workers)
+        state["clock"] = dict(self.clock)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+    def load_replica_bytes(self, data: torch.Tensor) -> None:
+        """Become the copy :meth:`replica_bytes` made (``ValueError`` for another layout or optimizer)."""
+        state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        self.load_state_dict(state)
+        self.live_workers = set(state.get("live_workers", self.live_workers))
+        self.clock = {str(w): int(c) for w, c in state.get("clock", {}).items()}
+        self.round_members.clear()
+        self.round_samples = 0
+        for c in self.chunks.values():
+            c.contributors = 0
 
     # ---------------------------------------------------------------- init / checkpoint
     def set_values(self, keys: Sequence[int], values: Sequence[torch.Tensor]) -> None:

@@ -5,6 +5,11 @@ buffers (:mod:`hmp.flat`) and assigns the chunks to shards with the same determi
 (:func:`assign_chunks`), so no node needs to be told where a chunk lives. A
 :class:`ShardedModel` holds the result: the model, its flat layout and buffers, and the
 assignment. It is built from a job's config by :func:`hmp.job.sharded_model`.
+
+Replicas (``[ps] replicas = 2``, docs/resilience.md): the chunks assigned to shard ``i`` form the chunk
+group named by that shard's id; its primary is shard ``i`` and its backup shard ``i + 1`` (cyclically),
+:func:`initial_replicas`, so every shard holds one group as primary and one as backup. After a loss
+the scheduler moves groups (:func:`next_backup`) and tells every shard the new map.
 """
 
 from __future__ import annotations
@@ -54,6 +59,24 @@ class ShardedModel:
 
     def report(self) -> ShardingReport:
         return sharding_report(self.layout.chunks, self.assignment)
+
+
+def initial_replicas(shard_ids: list[str], replicas: int = 2) -> dict[str, tuple[str, str]]:
+    """``{group: (primary, backup)}`` at the start of a job: each shard is primary of its own group and
+    backup of the previous shard's (``backup`` "" with ``replicas`` 1 or a single shard)."""
+    n = len(shard_ids)
+    return {s: (s, shard_ids[(i + 1) % n] if replicas > 1 and n > 1 else "") for i, s in enumerate(shard_ids)}
+
+
+def next_backup(shard_ids: list[str], primary: str, live: set[str] | frozenset[str]) -> str:
+    """The backup for a group whose primary is ``primary``: the first live shard after it in shard
+    order (cyclically), never the primary itself; "" when no other shard is live."""
+    i = shard_ids.index(primary)
+    for step in range(1, len(shard_ids)):
+        candidate = shard_ids[(i + step) % len(shard_ids)]
+        if candidate in live:
+            return candidate
+    return ""
 
 
 def assign_chunks(chunks: Iterable[Chunk], num_shards: int) -> dict[int, list[int]]:

@@ -48,6 +48,24 @@ it). The report's ``membership`` lists who was lost, left, failed, rejoined or r
 ``work_redone`` the examples handed out again. A node still EXPECTED or JOINING ``join_timeout_s`` after
 :meth:`SchedulerCore.start` fails the job.
 
+Replicated shards (``[ps] replicas = 2``, docs/resilience.md): each chunk group (named by the shard
+it was first assigned to) has a primary and a backup (:attr:`SchedulerCore.replica_map`). A lost shard
+does not fail the job nor wait for a restart: each group it served fails over to its backup
+(:class:`ReplicasChanged`: the shell tells every live shard, then the workers, whose pushes to the lost
+shard go to the promoted one with the same ``seq``), and each group left without a backup gets one on
+the next live shard (the primary sends it a copy); with no other live shard the group runs unreplicated,
+which the report's ``unreplicated`` says. A shard restarted later (``[job] restarts``) joins as a backup.
+The job fails only if a group loses both copies. The report's ``shard_failovers`` says when, who took
+over and how long it took (:meth:`SchedulerCore.replicas_applied`). A shard failed over that is heard
+from again (a stalled process) is told to shut down: its groups are served elsewhere.
+
+Resuming (``--resume``, docs/resilience.md): :meth:`SchedulerCore.state_dict` is what a scheduler saves
+next to the shards' checkpoints (the work cursor and epoch, the ranges not done, the best figures, each
+worker's progress and the report so far), and :meth:`SchedulerCore.resume` continues from it: the
+cursor where it was, each worker's counters (its welcome's ``resume``; with static data shares the
+epoch to start from, ``start_epoch``), and the report appended to, its times running on from the
+previous part's (``time_offset``). ``max_seconds`` counts this part's time.
+
 Stop rules, judged on each progress report: ``[train] target_accuracy`` (the best reported test
 accuracy), ``target_loss`` (the best reported test loss), ``max_seconds`` (since the first worker
 was admitted). Once a stop reason is set every reply tells the workers to stop. When every worker
@@ -57,11 +75,13 @@ is DONE or LEFT (or LOST, in a pipeline job) the core emits :class:`WorkersDone`
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from hmp.batching.adapter import PolicyAdapter
 from hmp.config import Config, Consistency, Role
 from hmp.errors import RequestError
+from hmp.ps.sharding import initial_replicas, next_backup
 from hmp.report import RunReport
 from hmp.scheduler.membership import (CONNECTED, LOST_AFTER, NOT_JOINED, SUSPECT_AFTER, UP, Change, Member,
                                       MemberState, Membership)
@@ -136,6 +156,22 @@ class ShardsChanged:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicasChanged:
+    """(``[ps] replicas = 2``) Who serves and who backs up each chunk group changed (``groups``:
+    ``(group, primary, backup)``; ``epoch`` shares the counter of :class:`ShardsChanged`): the shell tells
+    every live shard (``replicas``), then every worker where each group is served now (``shards``: group id
+    -> its primary's address) and reports the promotion's duration with :meth:`SchedulerCore.replicas_applied`."""
+
+    epoch: int
+    groups: tuple[tuple[str, str, str], ...]
+    shards: tuple[tuple[str, str], ...]
+    why: str
+    tell_workers: bool = True
+    #: ``(shard id, address)`` of every shard as it joined: where the shards reach each other's backups
+    addresses: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class RingFormed:
     """(``consistency = "allreduce"``) The workers' ring, generation ``generation``: ``members`` (ids)
     at ``addresses``, in rank order. Generation 1 forms once every worker has joined (held worker
@@ -177,7 +213,7 @@ class JobFailed:
     reason: str
 
 
-Event = MemberChanged | ShardsReady | ShardsChanged | RingFormed | WorkerDropped | WorkersDone | StopDecided | JobFailed
+Event = MemberChanged | ShardsReady | ShardsChanged | ReplicasChanged | RingFormed | WorkerDropped | WorkersDone | StopDecided | JobFailed
 
 
 class SchedulerCore:
@@ -209,6 +245,12 @@ class SchedulerCore:
         # Restarted shards whose resumed version (the first heartbeat's step) is not known yet:
         # their entries of the report's shard_restarts.
         self._restart_pending: dict[str, dict[str, Any]] = {}
+        # [ps] replicas = 2: group -> [primary, backup] ("" no backup); the shards failed over (not taken back)
+        self.replicas = cfg.ps.replicas if self.shard_ids else 1
+        self.replica_map: dict[str, list[str]] = ({g: list(pb) for g, pb in initial_replicas(self.shard_ids).items()}
+                                                  if self.replicas > 1 else {})
+        self.failed_over: set[str] = set()
+        self._failover_pending: dict[int, dict[str, Any]] = {}  # by epoch: report entries awaiting the shards' acks
         self.run_report = RunReport(job=cfg.job.name, config=cfg.path, consistency=cfg.train.consistency,
                                     policy=cfg.train.policy)
         self.run_report.sharding = dict(sharding or {})
@@ -234,6 +276,10 @@ class SchedulerCore:
         self.work_outstanding: dict[str, tuple[int, int, int]] = {}
         self.work_requeued: list[tuple[int, int, int]] = []
         self._events: list[Event] = []
+        # --resume: the previous parts' training time (report times run on from it), and each worker's
+        # counters as the previous part last knew them (its welcome carries them)
+        self.time_offset = 0.0
+        self.resumed_progress: dict[str, dict[str, float]] = {}
 
     # ---------------------------------------------------------------- outputs
     def take_events(self) -> list[Event]:
@@ -242,8 +288,59 @@ class SchedulerCore:
         return events
 
     def elapsed(self, now: float) -> float:
-        """Seconds since the first worker was admitted (0 before)."""
+        """Seconds since the first worker was admitted (0 before), in this part of a resumed run."""
         return 0.0 if self.t0 is None else now - self.t0
+
+    def run_time(self, now: float) -> float:
+        """The run's training time: the previous parts' (``--resume``) and this one's: the report's clock."""
+        return self.time_offset + self.elapsed(now)
+
+    # ---------------------------------------------------------------- --resume
+    def state_dict(self, now: float) -> dict[str, Any]:
+        """What a resumed scheduler continues from (plain data, JSON): the work cursor, the ranges handed
+        out and not done (they are handed out again), the best figures, each worker's counters and the
+        report so far."""
+        pending = list(self.work_requeued) + list(self.work_outstanding.values())
+        progress: dict[str, dict[str, float]] = {}
+        for w, d in self.run_report.workers.items():
+            last = d["final"] or (d["series"][-1] if d["series"] else {})
+            progress[w] = {k: last[k] for k in ("samples", "updates", "epoch") if k in last}
+        # A finished run's time is its training time (the final evaluation and the report are not training).
+        elapsed = self.run_report.final.get("elapsed_s", self.run_time(now))
+        return {"format": 1, "job": self.cfg.job.name, "written_at": time.time(), "elapsed_s": elapsed,
+                "work_epoch": self.work_epoch, "work_cursor": self.work_cursor,
+                "work_pending": [list(r) for r in pending], "work_taken": dict(self.work_taken),
+                "best_accuracy": self.best_accuracy,
+                "best_test_loss": None if self.best_test_loss == float("inf") else self.best_test_loss,
+                "progress": progress, "report": self.run_report.state()}
+
+    def resume(self, state: dict[str, Any], source: str) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (read from ``source``, named in the report). Raises
+        ``ValueError`` (what is wrong) for a state of another job or format."""
+        if state.get("format") != 1:
+            raise ValueError(f"scheduler state format {state.get('format')!r}; this hmp reads format 1")
+        if state.get("job") != self.cfg.job.name:
+            raise ValueError(f"the state of job {state.get('job')!r}, not of {self.cfg.job.name!r}")
+        self.work_epoch, self.work_cursor = int(state["work_epoch"]), int(state["work_cursor"])
+        self.work_requeued = [(int(e), int(s), int(c)) for e, s, c in state.get("work_pending", [])]
+        self.work_taken = {str(w): int(n) for w, n in state.get("work_taken", {}).items()}
+        self.best_accuracy = float(state.get("best_accuracy") or 0.0)
+        loss = state.get("best_test_loss")
+        self.best_test_loss = float("inf") if loss is None else float(loss)
+        self.time_offset = float(state["elapsed_s"])
+        self.resumed_progress = {str(w): dict(p) for w, p in state.get("progress", {}).items()}
+        sharding = self.run_report.sharding
+        self.run_report = RunReport.from_state(state["report"], config=self.cfg.path, sharding=sharding)
+        self.run_report.final = {}
+        self.run_report.resumes.append({
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": source,
+            "elapsed_s": round(self.time_offset, 3), "epoch": self.work_epoch, "cursor": self.work_cursor})
+
+    def start_epoch(self) -> int:
+        """(static data shares) The epoch a resumed run's workers start from: the earliest one a worker
+        was in (its slice of it is trained again); 0 when not resumed."""
+        epochs = [int(p["epoch"]) for p in self.resumed_progress.values() if "epoch" in p]
+        return min(epochs) if epochs else 0
 
     @property
     def end_reason(self) -> str:
@@ -258,6 +355,7 @@ class SchedulerCore:
         return {"elapsed_s": self.elapsed(now), "stop_reason": self.stop_reason, "failed": self.failed or "",
                 "members": self.membership.states(), "workers": self.run_report.latest(),
                 "shards_down": sorted(self.shards_down),
+                **({"replicas": {g: list(pb) for g, pb in self.replica_map.items()}} if self.replica_map else {}),
                 "best_accuracy": self.best_accuracy,
                 "best_test_loss": self.best_test_loss if self.best_test_loss != float("inf") else None}
 
@@ -305,6 +403,71 @@ class SchedulerCore:
         self._events.append(ShardsChanged(self.shard_epoch, tuple((s, a) for s, a in self.shard_addresses()),
                                           tuple(sorted(self.shards_down)), why))
 
+    # ---------------------------------------------------------------- replicas ([ps] replicas = 2)
+    def primary_of(self, group: str) -> str:
+        """The shard serving chunk group ``group`` now (itself without replicas)."""
+        return self.replica_map[group][0] if self.replica_map else group
+
+    def _live_shards(self) -> set[str]:
+        return {s for s in self.shard_ids if self.membership[s].state in UP and s not in self.failed_over}
+
+    def _failover(self, m: Member, why: str, silent: float, now: float) -> None:
+        """Shard ``m`` is lost: its groups' backups take over, and groups left without a backup get one."""
+        lost = m.id
+        self.failed_over.add(lost)
+        promoted: dict[str, str] = {}
+        for group, (primary, backup) in self.replica_map.items():
+            if primary == lost:
+                if not backup or backup not in self._live_shards():
+                    self._record(lost, "lost", why, now)
+                    self.fail(f"PS shard {lost} was lost and the backup of its chunk group {group} "
+                              f"({backup or 'none'}) is gone too: the group has no copy left")
+                    return
+                self.replica_map[group] = [backup, ""]
+                promoted[group] = backup
+            elif backup == lost:
+                self.replica_map[group][1] = ""
+        self._record(lost, "lost", f"{why}; " + (", ".join(f"group {g} fails over to {p}" for g, p in promoted.items())
+                                                  or "it held backups only"), now)
+        self._rebuild_backups(now)
+        entry = {"shard": lost, "t": round(self.run_time(now), 3), "detected_after_s": round(silent, 3),
+                 "promoted": promoted, "promote_s": None, "epoch": self.shard_epoch + 1}
+        self.run_report.shard_failovers.append(entry)
+        self._failover_pending[entry["epoch"]] = {"entry": entry, "since": now}
+        self._replicas_changed(f"{lost} lost ({why})")
+
+    def _rebuild_backups(self, now: float) -> None:
+        """Give every group without a backup the next live shard after its primary; a group with none
+        available runs unreplicated (the report's ``unreplicated`` says from when until when)."""
+        live = self._live_shards()
+        t = round(self.run_time(now), 3)
+        for group, pair in self.replica_map.items():
+            open_gap = next((u for u in self.run_report.unreplicated if u["group"] == group and u["until_t"] is None),
+                            None)
+            if not pair[1]:
+                pair[1] = next_backup(self.shard_ids, pair[0], live)
+            if not pair[1] and open_gap is None:
+                self.run_report.unreplicated.append({"group": group, "primary": pair[0], "from_t": t, "until_t": None})
+            elif pair[1] and open_gap is not None:
+                open_gap["until_t"] = t
+
+    def _replicas_changed(self, why: str, tell_workers: bool = True) -> None:
+        self.shard_epoch += 1
+        groups = tuple((g, p, b) for g, (p, b) in self.replica_map.items())
+        self._events.append(ReplicasChanged(self.shard_epoch, groups, tuple((s, a) for s, a in self.shard_addresses()),
+                                            why, tell_workers, tuple((s, a) for s, a in self.replica_shards())))
+
+    def replica_shards(self) -> list[list[str]]:
+        """``[[shard id, address], ...]`` of every shard as it joined (where the shards reach each other)."""
+        return [[s, self.membership[s].address] for s in self.shard_ids]
+
+    def replicas_applied(self, epoch: int, now: float) -> None:
+        """The shell told every live shard of change ``epoch`` and each answered: the failover it
+        carried (if any) is done; its report entry gets ``promote_s``."""
+        pending = self._failover_pending.pop(epoch, None)
+        if pending is not None:
+            pending["entry"]["promote_s"] = round(now - pending["since"], 4)
+
     def shard_version_seen(self, shard: str, version: int) -> None:
         """A worker's last reply from ``shard``, now down, carried ``version`` (its answer to the
         shell's ``shards``): the shard had at least that many updates before its crash. The
@@ -318,7 +481,7 @@ class SchedulerCore:
         updates lost are known at its first heartbeat), and the workers learn its new address."""
         why = f"new process (pid {pid}, was {m.pid}) at {address}"
         self._record(m.id, "restarted", why, now)
-        entry = {"node": m.id, "t": round(self.elapsed(now), 3), "pid": pid, "was_pid": m.pid,
+        entry = {"node": m.id, "t": round(self.run_time(now), 3), "pid": pid, "was_pid": m.pid,
                  "address": address, "was_address": m.address, "version_before": m.step,
                  "resumed_version": None, "updates_lost": None}
         self.run_report.shard_restarts.append(entry)
@@ -328,9 +491,29 @@ class SchedulerCore:
             self._move(m, S.LIVE, "restarted")
         self._shard_up(m, f"restarted ({why})")
 
+    def _replica_restarted(self, m: Member, pid: int, address: str, now: float) -> Admitted:
+        """(replicas) Shard ``m`` joins from a new process: it holds no group as primary (its groups were
+        failed over, or it never lost them: then they fail over now, as its old process is gone), and
+        becomes the backup of groups without one. Its welcome carries the map."""
+        why = f"new process (pid {pid}, was {m.pid}) at {address}"
+        if m.id not in self.failed_over:  # restarted before it was noticed lost: the old process is gone
+            self._failover(m, f"restarted ({why})", now - m.last_seen, now)
+            if self.failed:
+                return Admitted({"shards": self.shard_addresses()})
+        self._record(m.id, "restarted", f"{why}; joins as a backup", now)
+        m.address, m.pid, m.last_seen = address, pid, now
+        self.failed_over.discard(m.id)
+        if m.state not in UP:
+            self._move(m, S.LIVE, "restarted")
+        self._rebuild_backups(now)
+        self._replicas_changed(f"{m.id} restarted ({why})")
+        return Admitted({"shards": self.replica_shards(), "workers": self.membership.ids(UP | {S.JOINING}, workers=True),
+                         "replicas": {"groups": [[g, p, b] for g, (p, b) in self.replica_map.items()],
+                                      "epoch": self.shard_epoch}})
+
     def _record(self, node: str, event: str, why: str, now: float) -> None:
         """One line of the report's membership history (``event``: lost, left, failed, rejoined, restarted)."""
-        self.run_report.membership.append({"node": node, "event": event, "t": round(self.elapsed(now), 3),
+        self.run_report.membership.append({"node": node, "event": event, "t": round(self.run_time(now), 3),
                                            "why": why})
 
     def _worker_gone(self, m: Member, event: str, why: str, now: float) -> None:
@@ -382,8 +565,9 @@ class SchedulerCore:
             self._events.append(WorkersDone())
 
     def shard_addresses(self) -> list[list[str]]:
-        """``[[shard id, address], ...]`` in shard-index order (the welcome's and the status's ``shards``)."""
-        return [[s, self.membership[s].address] for s in self.shard_ids]
+        """``[[shard id, address], ...]`` in shard-index order (the welcome's and the status's ``shards``): with
+        replicas, where each chunk group (named by its first shard's id) is served now, its primary's address."""
+        return [[s, self.membership[self.primary_of(s)].address] for s in self.shard_ids]
 
     # ---------------------------------------------------------------- control
     def start(self, now: float) -> None:
@@ -426,6 +610,8 @@ class SchedulerCore:
         if not m.is_worker and m.state not in NOT_JOINED and m.pid and pid != m.pid:
             if self.stopping:
                 return Refused(f"the job is stopping ({self.end_reason}); restarted {sender} is not taken back")
+            if self.replica_map:
+                return self._replica_restarted(m, pid, address, now)
             self._shard_restarted(m, pid, address, now)
             # The workers still in the job: the others must not hold its sync rounds or SSP bounds back.
             return Admitted({"shards": self.shard_addresses(), "workers": self.membership.ids(
@@ -436,6 +622,8 @@ class SchedulerCore:
             if not self.shards_ready and all(self.membership[s].state in UP for s in self.shard_ids):
                 self.shards_ready = True
                 self._events.append(ShardsReady())
+                if self.replica_map:  # the shards learn where their backups are (the workers know from their welcome)
+                    self._replicas_changed("every shard has joined", tell_workers=False)
             return Admitted({"shards": self.shard_addresses() if self.shards_ready else []})
         # A worker is held until every shard has joined (its welcome lists them). It re-sends its
         # join every few seconds meanwhile; only the newest one is admitted, so that held joins do
@@ -510,6 +698,10 @@ class SchedulerCore:
             self.t0 = now
         info = {"shards": self.shard_addresses(), "worker_index": self.worker_ids.index(m.id),
                 "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)}
+        if m.id in self.resumed_progress:  # --resume: the worker's counters go on from the previous part's
+            info["resume"] = self.resumed_progress[m.id]
+        if self.resumed_progress:
+            info["start_epoch"] = self.start_epoch()
         if self.shard_epoch:  # a shard went down or moved since the job began: the worker starts from this view
             info.update(shards_down=sorted(self.shards_down), shard_epoch=self.shard_epoch)
         if self.allreduce:
@@ -529,6 +721,8 @@ class SchedulerCore:
                 entry["updates_lost"] = max(0, entry["version_before"] - step)
         if self.over:
             return Refused(self.end_reason)
+        if sender in self.failed_over:
+            return Refused(f"{sender} was lost and its chunk groups failed over; it is not taken back")
         if self.allreduce and m.is_worker and m.state == S.LOST:
             return Refused(f"{sender} was lost and the ring went on without it (generation {self.ring_generation})")
         return None
@@ -539,7 +733,7 @@ class SchedulerCore:
             self._move(m, S.DONE, "final report")  # before any other effect: an illegal one changes nothing
             self.finished_workers.add(m.id)
         t = self.elapsed(now)
-        self.run_report.add_sample(m.id, t, metrics)
+        self.run_report.add_sample(m.id, self.time_offset + t, metrics)
         acc = metrics.get("test_accuracy")
         if acc is not None:
             self.best_accuracy = max(self.best_accuracy, acc)
@@ -624,7 +818,9 @@ class SchedulerCore:
             if m.state in CONNECTED and silent > LOST_AFTER * self.interval:
                 was_done = m.state == S.DONE
                 self._move(m, S.LOST, f"silent for {silent:.1f} s")
-                if not m.is_worker and self.restarts_left.get(m.id, 0) > 0 and not self.stopping:
+                if not m.is_worker and self.replicas > 1 and not self.stopping:
+                    self._failover(m, f"silent for {silent:.1f} s", silent, now)
+                elif not m.is_worker and self.restarts_left.get(m.id, 0) > 0 and not self.stopping:
                     self._shard_down(m, f"silent for {silent:.1f} s", now)
                 elif not (m.is_worker and self.tolerate_worker_loss):
                     self.fail(f"node {m.id} ({m.role}) lost: silent for {silent:.1f} s")
@@ -659,7 +855,7 @@ class SchedulerCore:
         """The run report with its ``final`` section: the final evaluation plus how the run ended.
         ``best_reported_accuracy`` is what the workers measured on their replicas while training
         (what the stop rule saw); ``final`` is the PS parameters at the end."""
-        self.run_report.final = {**final, "elapsed_s": self.elapsed(now),
+        self.run_report.final = {**final, "elapsed_s": self.run_time(now),
                                  "stop_reason": self.stop_reason or "epochs done",
                                  "best_reported_accuracy": self.best_accuracy}
         return self.run_report

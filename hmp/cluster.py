@@ -17,6 +17,11 @@ from its last checkpoint while the workers wait for it; :attr:`LocalCluster.rest
 that limit the job goes on without it, the scheduler judging whether enough workers remain (``[train]
 min_workers``); if the job then fails, :class:`JobFailed` names the first worker that exited non-zero.
 
+With ``[metrics] enabled`` each daemon serves its metrics over HTTP (docs/metrics.md) and writes the URL
+into ``<report_dir>/metrics/<id>.json``: ``start()`` waits (bounded) until every daemon it started has
+written its own and logs each (``metrics_endpoint``); :attr:`LocalCluster.metrics_urls` lists those serving
+now.
+
 On emulated hosts (``LocalCluster(cfg, hosts="conf/hosts4.toml")`` or a :class:`~hmp.emulate.EmulatedHosts`;
 docs/emulate.md): each ``[[nodes]] host`` names a host of the hosts file, each daemon runs inside its
 host's network namespace and binds its host's address (the daemons read a derived config, written in a
@@ -50,6 +55,7 @@ from hmp.config import WORKER_ROLES, Config, Role
 from hmp.emulate import EmulatedHosts, check_placement, topology_on_hosts
 from hmp.errors import ConfigError, HmpError, RequestTimeout
 from hmp.messages import Shutdown, Status
+from hmp.metrics import check_ports, read_urls
 from hmp.nodes.forkserver import ForkedProcess, ForkServer, ForkServerExited
 from hmp.nodes.forkserver import enabled as forkserver_enabled
 from hmp.transport import security
@@ -59,6 +65,10 @@ from hmp.transport.shm import cleanup_stale
 _log = structlog.get_logger("hmp").bind(role="launcher")
 
 START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
+
+#: ``start()`` waits at most this long for the daemons' metrics URLs ([metrics] enabled) before going on
+#: without the missing ones (logged).
+METRICS_URL_WAIT_S = 30.0
 
 #: The status relay on emulated hosts: ``python -c _RELAY SCHEDULER_ADDRESS KEY_DIR HANDSHAKE_TIMEOUT_S`` inside
 #: the scheduler's host (``KEY_DIR``: the absolute key folder, whose ``launcher`` key it dials with, when
@@ -135,6 +145,7 @@ class LocalCluster:
             self.hosts = hosts if isinstance(hosts, EmulatedHosts) else EmulatedHosts.from_file(hosts)
             self._own_hosts = not self.hosts.started
             check_placement(self.cfg.nodes, self.hosts.names, self.config_path, self.hosts.source)
+        check_ports(self.cfg, emulated=self.hosts is not None)  # a fixed metrics port: one daemon per host
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         # The job's identity: every daemon started here gets it (hmp.job.with_env reads HMP_JOB_TOKEN) and
@@ -188,13 +199,34 @@ class LocalCluster:
         for role in START_ORDER:
             for node in self.cfg.by_role(role):
                 await self._start_node(node.id)
+        if self.cfg.metrics.enabled:
+            await self._list_metrics_urls(METRICS_URL_WAIT_S)
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """``{node id: URL}`` of the metrics endpoints serving now (``[metrics] enabled``; docs/metrics.md)."""
+        return read_urls(self.cfg, {nid: p.pid for nid, p in self.procs.items() if p.returncode is None})
+
+    async def _list_metrics_urls(self, timeout_s: float) -> None:
+        """Wait until every daemon still running serves its metrics (at most ``timeout_s``), and log the URLs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            urls = self.metrics_urls
+            running = {nid for nid, p in self.procs.items() if p.returncode is None}
+            if running <= urls.keys() or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        for nid, url in urls.items():
+            _log.info("metrics_endpoint", node=nid, url=url)
+        if running - urls.keys():
+            _log.warning("metrics_endpoint_missing", nodes=sorted(running - urls.keys()), waited_s=timeout_s)
 
     async def _start_node(self, node_id: str, log_name: str = "", resume: bool = False) -> None:
         """Start daemon ``node_id`` (again, for a restart: its log then goes to ``log_name``; a shard
         restarted mid-job resumes from its checkpoint)."""
         node = self.cfg.node(node_id)
         args = [node.role, "--config", self.config_path, "--id", node.id]
-        if node.role == Role.PS and (self.resume or resume):
+        if (node.role == Role.PS and (self.resume or resume)) or (node.role == Role.SCHEDULER and self.resume):
             args.append("--resume")
         log = self._log_paths[node.id] = self.log_dir / (log_name or f"{node.id}.log")
         if forkserver_enabled():  # a fork of a process that has imported torch already (docs/architecture.md)
@@ -292,6 +324,10 @@ class LocalCluster:
                         t2 = asyncio.create_task(self.procs[nid].wait())  # it resumes from its checkpoint
                         waits[t2] = nid
                         pending.add(t2)
+                        continue
+                    if self.cfg.node(nid).role == Role.PS and self.cfg.ps.replicas > 1:
+                        _log.warning("shard_exited", node=nid, exit_code=code,
+                                     note="its backup takes over ([ps] replicas = 2); the scheduler judges")
                         continue
                     if self.cfg.node(nid).role in WORKER_ROLES:
                         if await self._restart_node(nid, code):

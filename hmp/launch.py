@@ -95,6 +95,8 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
     try:
         async with cluster:
+            for nid, url in getattr(cluster, "metrics_urls", {}).items():
+                print(f"hmp-launch: metrics of {nid}: {url}", flush=True)
             if isinstance(cluster, LocalCluster) and cluster.hosts is not None:
                 placed = {h: [n.id for n in cfg.nodes if n.host == h] for h in cluster.hosts.names}
                 print("hmp-launch: emulated hosts from " + args.hosts + ": " + ", ".join(

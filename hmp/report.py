@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hmp.plots import plot_report
+
 
 @dataclasses.dataclass
 class RunReport:
@@ -101,33 +103,6 @@ def batch_size_changes(points: list[dict[str, Any]]) -> list[list[float]]:
     return out
 
 
-def plot_loss(series: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
-    """PNG of loss against wall time: each worker's training loss, and dashed, the test loss of the worker that
-    evaluates (what ``train.target_loss`` stops on); matplotlib, headless."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for name, points in series.items():
-        pts = [(p["t"], p["loss"]) for p in points if "loss" in p]
-        if pts:
-            ax.plot(*zip(*pts), label=name)
-        test = [(p["t"], p["test_loss"]) for p in points if "test_loss" in p]
-        if test:
-            ax.plot(*zip(*test), linestyle="--", label=f"{name} test loss")
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def write_report(report: RunReport, out_dir: Path) -> tuple[Path, Path]:
     """Write ``report.json`` and ``loss.png`` into ``out_dir`` (created); returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,5 +111,5 @@ def write_report(report: RunReport, out_dir: Path) -> tuple[Path, Path]:
     tmp = jpath.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(jpath)
-    plot_loss(data["series"], ppath, f"{report.job}: loss against time ({report.consistency}, {report.policy})")
+    plot_report(data, ppath, f"{report.job}: loss, throughput and update shares ({report.consistency}, {report.policy})")
     return jpath, ppath

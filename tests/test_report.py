@@ -40,3 +40,39 @@ def test_update_shares_sum_to_one_when_a_worker_left_without_a_final_report():
     report.finish_worker("gpu0", {})  # left without a done report
     shares = {w: s["update_share"] for w, s in report.summary().items()}
     assert shares == {"cpu0": 0.75, "gpu0": 0.25}
+
+
+def test_the_figure_draws_every_report_point_of_a_one_second_job(tmp_path):
+    """Loss, throughput per worker and update shares, each worker's every report point, from the JSON the
+    report writes; a final report milliseconds after the last one does not make a rate of its own."""
+    from hmp.plots import PANELS, plot_report, throughput
+
+    report = RunReport(job="j", config="c.toml", consistency="async", policy="static")
+    for t, samples, updates, loss in ((0.3, 300, 20, 2.0), (0.6, 700, 45, 1.2), (0.9, 1000, 65, 0.8)):
+        report.add_sample("gpu0", t, {"samples": samples, "updates": updates, "loss": loss,
+                                      "samples_per_s": samples / t})
+        report.add_sample("cpu0", t + 0.05, {"samples": samples // 10, "updates": updates // 4, "loss": loss + 0.5,
+                                             "test_loss": loss + 0.2, "samples_per_s": samples / 10 / (t + 0.05)})
+    report.add_sample("gpu0", 0.901, {"samples": 1001, "updates": 66, "loss": 0.8})
+    report.finish_worker("gpu0", {"updates": 66, "samples": 1001})
+    report.finish_worker("cpu0", {"updates": 16, "samples": 100})
+    write_report(report, tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    drawn = plot_report(data, tmp_path / "figure.png")
+    assert list(drawn) == list(PANELS)
+    assert drawn["loss"] == {"gpu0": 4, "cpu0": 3, "cpu0 test loss": 3}
+    assert drawn["throughput"] == {"gpu0": 3, "cpu0": 3}
+    assert drawn["update shares"] == {"gpu0": 7, "cpu0": 7}  # at each of the 7 report times
+    assert (tmp_path / "figure.png").stat().st_size > 10_000
+    rates = throughput(data["series"]["gpu0"])
+    assert [t for t, _ in rates] == [0.3, 0.6, 0.9]
+    assert rates[0][1] == 1000 and abs(rates[1][1] - 400 / 0.3) < 1e-6
+
+
+def test_the_figure_of_a_report_without_points_says_so(tmp_path):
+    from hmp.plots import plot_report
+
+    drawn = plot_report(RunReport(job="j", config="c", consistency="sync", policy="static").to_json(),
+                        tmp_path / "empty.png")
+    assert drawn == {"loss": {}, "throughput": {}, "update shares": {}}
+    assert (tmp_path / "empty.png").stat().st_size > 1000

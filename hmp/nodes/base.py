@@ -16,6 +16,10 @@ A node runs in one ``asyncio.TaskGroup``: the role's ``main()`` and its backgrou
   call at a time, so the event loop keeps answering heartbeats and requests. A caller cancelled
   meanwhile waits for the call to end first: the loop never writes what the thread is reading.
 
+With ``[metrics] enabled`` the node counts its traffic (``set_process_metrics``) and serves its metrics over
+HTTP from just after its server binds until after it closes (:class:`hmp.metrics.MetricsEndpoint`,
+docs/metrics.md); the heartbeat loop keeps its round trips in ``heartbeat_rtt`` either way.
+
 SIGTERM/SIGINT set ``stopping``; ``main()`` is expected to notice, finish or refuse in-flight work,
 and return. The server then closes (in-flight handlers get a grace period) and the process exits
 0, or 1 if the node failed. Nothing here sets torch's thread count: ``hmp.nodes.main`` does, once
@@ -40,7 +44,9 @@ from hmp.errors import ConfigError, HmpError, RemoteError, RequestTimeout
 from hmp.messages import Ack, Heartbeat, Join, Kind, Leave, Message, Shutdown, Status, Welcome
 from hmp.transport.codec import Limits
 from hmp.transport import security
-from hmp.transport.endpoint import Client, Handler, Server, set_process_job_token
+from hmp.metrics import MetricsEndpoint
+from hmp.transport.endpoint import (Client, Handler, LatencyHistogram, Server, TransportMetrics, set_process_job_token,
+                                    set_process_metrics)
 
 T = TypeVar("T")
 #: Heartbeat intervals without an answer after which a node declares its scheduler lost (and fails).
@@ -62,6 +68,8 @@ SENDERS: dict[Kind, frozenset[str]] = {
     Kind.RING_ASSIGN: frozenset({"scheduler"}),
     Kind.DROP: frozenset({"scheduler"}),
     Kind.SHARDS: frozenset({"scheduler"}),
+    Kind.REPLICAS: frozenset({"scheduler"}),
+    Kind.REPLICATE: frozenset({"member"}),  # the handler checks it comes from the group's primary
     Kind.JOIN: frozenset({"member"}),
     Kind.HEARTBEAT: frozenset({"member"}),
     # A leave is always the sender's own (it names nobody else). To the scheduler only a member leaves the
@@ -98,6 +106,10 @@ class Node:
         self._background_tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
         self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{node_id}-compute")
+        #: round trips of the answered heartbeats, and the last one (seconds; None before the first)
+        self.heartbeat_rtt = LatencyHistogram()
+        self.heartbeat_last_rtt_s: float | None = None
+        self.metrics_endpoint: MetricsEndpoint | None = None  # [metrics] enabled: serving while run() runs
 
     # ---------------------------------------------------------------- overridables
     def handlers(self) -> dict[Kind, Handler]:
@@ -198,9 +210,12 @@ class Node:
         while not self.stopping.is_set():
             deadline = last_ok + SCHEDULER_LOST_AFTER * interval
             try:
+                sent = time.monotonic()
                 reply = await self.scheduler.request(Heartbeat(step=self.step),
                                                      timeout_s=max(0.1 * interval, deadline - time.monotonic()))
                 last_ok = time.monotonic()
+                self.heartbeat_last_rtt_s = last_ok - sent
+                self.heartbeat_rtt.observe(last_ok - sent)
                 if isinstance(reply, Shutdown):
                     self.log.info("job_over", reason=reply.reason)
                     self.stopping.set()
@@ -299,6 +314,8 @@ class Node:
             raise
         set_process_job_token(self.cfg.job.token)
         security.set_process_security(curve)
+        if self.cfg.metrics.enabled:  # before the server: every endpoint opened from now on counts
+            set_process_metrics(TransportMetrics())
         self.server = Server(self.node.bind, self.handlers(), name=self.id, limits=self.limits,
                              frame_bytes=self.cfg.limits.frame_bytes, job_token=self.cfg.job.token,
                              authorize=self.authorize)
@@ -308,6 +325,7 @@ class Node:
             self.server = None
             set_process_job_token("")
             security.set_process_security(None)
+            set_process_metrics(None)
             self._compute_pool.shutdown(wait=False)
             if exc.errno == zmq.EADDRINUSE:
                 raise ConfigError(self.cfg.path, f"nodes[id={self.id}].bind",
@@ -317,6 +335,15 @@ class Node:
                               f"an address this host can bind: {self.node.bind}: {exc}") from None
         self.log.info("serving", address=self.server.address, pid=os.getpid(), curve=curve is not None,
                       token=bool(self.cfg.job.token))
+        if self.cfg.metrics.enabled:
+            try:
+                self.metrics_endpoint = await MetricsEndpoint.start(self)
+            except ConfigError:  # port taken, or no prometheus-client: exit 2, after closing what is open
+                await self.shutdown()
+                set_process_job_token("")
+                security.set_process_security(None)
+                raise
+            self.log.info("metrics_serving", url=self.metrics_endpoint.url)
         try:
             async with asyncio.TaskGroup() as group:
                 self._task_group = group
@@ -353,5 +380,9 @@ class Node:
             await self.server.close(grace_s=2.0)
         if self.scheduler is not None:
             await self.scheduler.close()
+        if self.metrics_endpoint is not None:  # after the sockets: scrapes still answer while they close
+            endpoint, self.metrics_endpoint = self.metrics_endpoint, None
+            await endpoint.stop()
+        set_process_metrics(None)
         # A call still running (main() was cancelled mid-step) finishes on its own; the process exits after it.
         self._compute_pool.shutdown(wait=False, cancel_futures=True)

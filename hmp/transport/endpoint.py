@@ -31,6 +31,10 @@
 * :class:`Client` opens a DEALER socket to one server. ``request()`` sends a message with a fresh
   ``rid`` and returns the reply with that ``rid`` (many may be in flight); an ``Error`` reply raises
   :class:`RemoteError`, no reply in time raises :class:`RequestTimeout`.
+* Metrics (docs/metrics.md): with :func:`set_process_metrics` (a daemon with ``[metrics] enabled``),
+  the endpoints this process opens afterwards also count into its :class:`TransportMetrics`: per
+  peer bytes and requests, requests by kind, request latency by kind, errors by code. Plain
+  numbers (a dict increment or two per message); :mod:`hmp.metrics` reads them when scraped.
 
 Zero-copy rules (both sides): sends go out with ``copy=False``: libzmq reads the tensors' own
 memory after ``send`` returns, so a tensor must not be mutated until its message is sent. Pass
@@ -83,6 +87,7 @@ handshake fails or is not answered, frames travel as above. Both ends use ``shm`
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import ctypes
@@ -91,6 +96,8 @@ import itertools
 import os
 import platform
 import socket
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -98,7 +105,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from hmp.errors import EndpointClosed, PeerLost, ProtocolError, RemoteError, RequestError, RequestTimeout
+from hmp.errors import (EndpointClosed, HmpError, PeerLost, ProtocolError, RemoteError, RequestError,
+                        RequestTimeout)
 from hmp.messages import Ack, Error, Kind, Message, ShmHello, ShmRelease
 from hmp.transport import shm as shm_mod
 from hmp.transport.codec import (DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, Limits, decode, encode, frame_error_rid,
@@ -147,6 +155,120 @@ def set_process_job_token(token: str) -> None:
 def process_job_token() -> str:
     """The token :func:`set_process_job_token` set ("" by default: open)."""
     return _process_job_token
+
+
+class LatencyHistogram:
+    """Durations (seconds) counted in the fixed buckets :data:`BOUNDS`, with their sum: what a Prometheus
+    histogram exports, kept as plain numbers so that an observation costs a bisect and two additions."""
+
+    #: upper bounds (seconds, inclusive) of the buckets; one more bucket above the last counts the rest
+    BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+              10.0, 30.0)
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BOUNDS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.BOUNDS, seconds)] += 1
+        self.sum += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``[(upper bound, observations <= it), ..., (inf, all)]``: Prometheus's ``le`` buckets."""
+        out, total = [], 0
+        for bound, n in zip((*self.BOUNDS, float("inf")), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+#: Distinct label values each of TransportMetrics's per-peer and per-code tables keeps; later ones are
+#: counted under "other" (a token holder may claim any sender id: the tables must not grow with that).
+MAX_LABEL_VALUES = 256
+
+
+def _bounded(table: dict[str, Any], key: str) -> str:
+    return key if key in table or len(table) < MAX_LABEL_VALUES else "other"
+
+
+class TransportMetrics:
+    """What this process's endpoints count for its metrics endpoint, once :func:`set_process_metrics`
+    installed it (a Server or Client picks it up when created, resp. connected). Everything is read on the
+    event loop's thread (:func:`hmp.metrics.snapshot`), so plain dicts and ints do.
+
+    Per peer: ``peers[id] = [bytes_in, bytes_out, requests_in, requests_out, shm_bytes_out]``, data-frame
+    bytes (the header is not counted, as in ``stats``) received from and sent to node ``id``, and the bytes
+    of this process's requests to it that went by shared-memory reference instead: a server counts requests in and
+    replies out under the sender id of the requests; a client counts requests out and replies in under
+    the id in its server's replies (its address until the first one), folded in here when it closes,
+    read from its ``stats`` while it is open (nothing added per message on the client side).
+    """
+
+    def __init__(self) -> None:
+        self.peers: dict[str, list[int]] = {}
+        #: requests a server of this process accepted, by message class (resolved to its kind when read)
+        self.served: dict[type, int] = {}
+        #: error replies a server of this process sent (or, for one-way messages, would have), by code
+        self.server_errors: dict[str, int] = {}
+        #: round trips of answered requests (a reply or an error reply) of this process's clients, by class
+        self.latency: dict[type, LatencyHistogram] = {}
+        #: requests of this process's clients that failed, by (message class, code): the error reply's
+        #: code, or timeout, closed, peer_lost
+        self.client_errors: dict[tuple[type, str], int] = {}
+        self.clients: weakref.WeakSet[Client] = weakref.WeakSet()
+        self.servers: weakref.WeakSet[Server] = weakref.WeakSet()
+
+    def peer(self, peer_id: str) -> list[int]:
+        key = _bounded(self.peers, peer_id or "?")
+        rec = self.peers.get(key)
+        if rec is None:
+            rec = self.peers[key] = [0, 0, 0, 0, 0]
+        return rec
+
+    def server_error(self, code: str) -> None:
+        key = _bounded(self.server_errors, code)
+        self.server_errors[key] = self.server_errors.get(key, 0) + 1
+
+    def client_failed(self, cls: type, exc: BaseException) -> None:
+        if isinstance(exc, (RemoteError, ProtocolError)):
+            code = exc.code
+        else:
+            code = {RequestTimeout: "timeout", EndpointClosed: "closed", PeerLost: "peer_lost"}.get(type(exc),
+                                                                                                   "other")
+        key = (cls, code)
+        if key not in self.client_errors and len(self.client_errors) >= MAX_LABEL_VALUES:
+            key = (cls, "other")
+        self.client_errors[key] = self.client_errors.get(key, 0) + 1
+
+    def client_closed(self, client: Client) -> None:
+        """Fold a closing client's counts into its peer's (they would vanish with it)."""
+        self.clients.discard(client)
+        rec = self.peer(client.peer_label)
+        st = client.stats
+        rec[0] += st["bytes_in"]
+        rec[1] += st["bytes_out"]
+        rec[3] += st["requests"]
+        rec[4] += st["shm_bytes_out"]
+
+
+_process_metrics: TransportMetrics | None = None
+
+
+def set_process_metrics(metrics: TransportMetrics | None) -> None:
+    """Count this process's traffic into ``metrics`` (None: stop counting). A daemon sets it once, before
+    opening its server (:meth:`hmp.nodes.base.Node.run`); endpoints opened before keep not counting."""
+    global _process_metrics
+    _process_metrics = metrics
+
+
+def process_metrics() -> TransportMetrics | None:
+    """What :func:`set_process_metrics` installed (None by default: nothing is counted)."""
+    return _process_metrics
 
 
 #: Receive high-water marks are at least this many messages (control messages are small).
@@ -492,6 +614,16 @@ class Server:
         self._shm_peers: dict[bytes, shm_mod.RequestResolver] = {}  # routing id -> what it agreed
         self._internal: dict[Kind, Handler] = {Kind.SHM: self._on_shm_hello, Kind.SHM_RELEASE: self._on_shm_release}
         self._watch: sec.HandshakeWatch | None = None  # CURVE: failed handshakes, for the log
+        #: the process's TransportMetrics when this server was made (None: nothing counted)
+        self._metrics = process_metrics()
+        self._peer_names: dict[bytes, str] = {}  # routing id -> sender id, for the per-peer bytes of replies
+        if self._metrics is not None:
+            self._metrics.servers.add(self)
+
+    @property
+    def inflight(self) -> int:
+        """Requests being handled or answered now (at most ``max_inflight``)."""
+        return len(self._inflight)
 
     async def __aenter__(self) -> Server:
         await self.start()
@@ -586,6 +718,9 @@ class Server:
             self._answer_error(peer, msg.rid, "unauthorized", why)
             return
         stats["requests"] += 1
+        metrics = self._metrics
+        if metrics is not None:
+            self._count_request(metrics, peer, msg, nbytes)
         handler = self.handlers.get(msg.kind) or self._internal.get(msg.kind)
         if handler is None:
             stats["errors"] += 1
@@ -602,6 +737,19 @@ class Server:
         task = start_eager(coro, chan.loop)
         if task is not None:
             self._track(task)
+
+    def _count_request(self, metrics: TransportMetrics, peer: bytes, msg: Message, nbytes: int) -> None:
+        """An accepted request, for the metrics: its sender's bytes and count, its kind's count."""
+        sender = msg.sender or "?"
+        names = self._peer_names
+        if names.get(peer) != sender and (peer in names or len(names) < MAX_LABEL_VALUES):
+            names[peer] = sender
+        rec = metrics.peer(sender)
+        rec[0] += nbytes
+        rec[2] += 1
+        served = metrics.served
+        cls = type(msg)
+        served[cls] = served.get(cls, 0) + 1
 
     def _on_overlong(self, m: guard.Overlong) -> None:
         """A message of more frames than ``limits.max_frames``: its extra frames were dropped unread
@@ -654,6 +802,8 @@ class Server:
     def _answer_error(self, peer: bytes, rid: int, code: str, text: str) -> None:
         """Answer ``rid`` with an error, from the reader callback (which cannot await): at once
         when there is room (the usual case), else from a task like any other reply."""
+        if self._metrics is not None:
+            self._metrics.server_error(code)
         if rid == 0:  # one-way (or unreadable rid): never answered (module docstring)
             self.stats["unanswered_one_way_errors"] += 1
             return
@@ -677,6 +827,8 @@ class Server:
             reply = await handler(msg, peer)
         except RequestError as exc:
             self.stats["errors"] += 1
+            if self._metrics is not None:
+                self._metrics.server_error(exc.code)
             reply = Error(code=exc.code, message=str(exc))
         except asyncio.CancelledError:
             if self._closing and self._chan is not None:
@@ -688,6 +840,8 @@ class Server:
         except Exception as exc:  # a handler bug must not kill the server; the sender hears of it
             self.stats["errors"] += 1
             self.log.exception("handler_failed", kind=msg.kind.value)
+            if self._metrics is not None:
+                self._metrics.server_error("internal")
             reply = Error(code="internal", message=f"{exc.__class__.__name__}: {exc}")
         if reply is None:
             return
@@ -772,6 +926,8 @@ class Server:
                 # A reply the client would refuse (too_large), or none can encode (bad_device, ...):
                 # say so now, rather than leave the client to wait out its timeout.
                 self.stats["errors"] += 1
+                if self._metrics is not None:
+                    self._metrics.server_error(exc.code)
                 self.warnings.warning("reply_not_encoded", exc.code, kind=msg.kind.value, error=str(exc))
                 if held:
                     assert arena is not None
@@ -788,7 +944,10 @@ class Server:
                 assert arena is not None
                 arena.hold(held, who)  # before the send: the peer may release as soon as it has the reply
             if len(frames) > 1:
-                self.stats["bytes_out"] += sum(len(memoryview(f)) for f in frames[1:])
+                nbytes = sum(len(memoryview(f)) for f in frames[1:])
+                self.stats["bytes_out"] += nbytes
+                if self._metrics is not None:
+                    self._metrics.peer(self._peer_names.get(peer, "?"))[1] += nbytes
             tracker = await chan.send([peer, *frames], tracked is not None)
             sent = True
             self.stats["replies"] += 1
@@ -908,6 +1067,19 @@ class Client:
         self._release_tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shm_retry = False  # the last handshake found a server without an arena
+        #: the server's node id, from its first reply ("" until then)
+        self.peer_id = ""
+        self._metrics: TransportMetrics | None = None  # the process's, taken at connect()
+
+    @property
+    def peer_label(self) -> str:
+        """Who this client talks to, for the metrics: the server's id once it has replied, else its address."""
+        return self.peer_id or self.address
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -932,6 +1104,9 @@ class Client:
             raise
         self._chan = _Channel(sock, self._on_message, self._on_overlong, copied=1, limits=self.limits, head=1)
         self._loop = self._chan.loop
+        self._metrics = process_metrics()
+        if self._metrics is not None:
+            self._metrics.clients.add(self)
 
     @property
     def shm_active(self) -> bool:
@@ -961,6 +1136,8 @@ class Client:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
             return
+        if not self.peer_id:
+            self.peer_id = msg.sender
         fut = self._pending.pop(msg.rid, None)
         if fut is None or fut.done():
             self.log.debug("unmatched_reply", kind=msg.kind.value, rid=msg.rid)
@@ -1035,12 +1212,30 @@ class Client:
                 fut.set_exception(self._handshake_error(watch.error))
             else:
                 self._check_handshake(fut)
+        metrics = self._metrics
+        t0 = time.perf_counter() if metrics is not None else 0.0  # not loop.time(): uvloop's ticks in ms
         try:
             await self._send(msg, False, rid=rid, sender=msg.sender or self.name, locate=locate)
-            return await fut
+            reply = await fut
+            if metrics is not None:
+                self._observe(metrics, type(msg), time.perf_counter() - t0)
+            return reply
+        except HmpError as exc:
+            if metrics is not None:
+                if isinstance(exc, RemoteError):  # answered, if with an error: a round trip all the same
+                    self._observe(metrics, type(msg), time.perf_counter() - t0)
+                metrics.client_failed(type(msg), exc)
+            raise
         finally:
             timer.cancel()
             self._pending.pop(rid, None)
+
+    @staticmethod
+    def _observe(metrics: TransportMetrics, cls: type, seconds: float) -> None:
+        hist = metrics.latency.get(cls)
+        if hist is None:
+            hist = metrics.latency[cls] = LatencyHistogram()
+        hist.observe(seconds)
 
     def _handshake_error(self, reason: str) -> HandshakeFailed:
         assert self.curve is not None
@@ -1192,6 +1387,8 @@ class Client:
         self._chan.close()
         self._chan = None
         self.warnings.flush()
+        if self._metrics is not None:
+            self._metrics.client_closed(self)
 
 
 @dataclasses.dataclass(eq=False)
@@ -1204,5 +1401,6 @@ class _ShmLink:
     resolver: shm_mod.ReplyResolver | None
 
 
-__all__ = ["Authorize", "Client", "RateLimitedLog", "Server", "Handler", "Reply", "process_job_token",
-           "set_process_job_token", "context", "hwm_for", "tune_malloc", "wait_sent", "PeerLost"]
+__all__ = ["Authorize", "Client", "LatencyHistogram", "RateLimitedLog", "Server", "Handler", "Reply",
+           "TransportMetrics", "process_job_token", "process_metrics", "set_process_job_token",
+           "set_process_metrics", "context", "hwm_for", "tune_malloc", "wait_sent", "PeerLost"]

@@ -131,7 +131,8 @@ class TrainConfig:
     target_loss: float = _field(0.0, "stop once worker 0's test loss falls to this (0: no loss target)")
     max_seconds: float = _field(600.0, "stop the job after this long (seconds)")
     eval_every_s: float = _field(1.0, "how often worker 0 measures test accuracy (seconds)")
-    report_interval_s: float = _field(0.5, "how often workers report to the scheduler (seconds)")
+    report_interval_s: float = _field(0.25, "how often workers report to the scheduler (seconds; the report's "
+                                            "curves have a point per worker per report)")
     policy: str = _field("static", f"batch sizing: {' | '.join(BatchPolicyKind)}")
     policy_args: dict = _field({}, "policy knobs (see docs/hogbatch.md)")
     work_unit_batches: int = _field(4, "hogbatch/adaptive: batches per first-come-first-served work unit")
@@ -219,6 +220,10 @@ class PlacementConfig:
     min_throughput: float = _field(100.0, "samples/s the planned pipeline must sustain")
     micro_batches: int = _field(4, "micro-batches per step (GPipe fill/drain); a stage uses at most this many "
                                    "workers")
+    calibrate: str = _field("predict", "after a plan has run ~1 s, calibrate the runtime model on what its workers "
+                                       "measured: off, predict (report the calibrated prediction and predict later "
+                                       "plans with it), replan (also re-plan on the calibrated figures; the running "
+                                       "plan is kept unless cheaper by min_gain); docs/placement.md")
     min_gain: float = _field(0.1, "re-planning keeps the running plan unless the new one is cheaper by this "
                                   "fraction")
     profile_repeats: int = _field(5, "timed forward+backward passes per layer when profiling")
@@ -512,6 +517,9 @@ def _validate_ranges(cfg: Config) -> None:
     if not 0.0 <= d.test_fraction < 1.0 or (always_split and d.test_fraction == 0.0):
         allowed = "(0, 1)" if always_split else "[0, 1) (0: the data file must hold its own test split)"
         raise ConfigError(p, "data.test_fraction", f"a number in {allowed}, got {d.test_fraction!r}")
+    if cfg.placement.calibrate not in ("off", "predict", "replan"):
+        raise ConfigError(p, "placement.calibrate", f"one of ['off', 'predict', 'replan'], got "
+                                                    f"{cfg.placement.calibrate!r}")
     o = cfg.optimizer
     if o.schedule not in ("constant", "step", "cosine"):
         raise ConfigError(p, "optimizer.schedule", f"one of ['constant', 'step', 'cosine'], got {o.schedule!r}")

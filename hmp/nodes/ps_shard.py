@@ -698,6 +698,10 @@ class PSShardNode(Node):
             if welcome is None:
                 return
             self.start_heartbeat()
+            if not self._resumed and (self.cfg.job.restarts.get("ps", 0) or self.cfg.ps.replicas > 1):
+                # A shard that may be restarted (or whose group may be restarted elsewhere) needs a checkpoint
+                # from the start: killed before its first periodic one, it could not resume at all.
+                self._checkpointing = self.spawn(self.checkpoint(), name="checkpoint")
             replicas = welcome.info.get("replicas")
             if replicas and int(replicas.get("epoch", 0)) > self.replica_epoch:  # a rejoin: the map as it is now
                 self.apply_replicas({str(g): (str(p), str(b)) for g, p, b in replicas["groups"]},

@@ -80,8 +80,11 @@ class ResourceType:
 
     @property
     def provenance(self) -> str:
-        """``"measured"`` or ``"NOT_MEASURED (<source>)"``: the label reports print next to the type."""
-        return "measured" if self.measured else f"{NOT_MEASURED} ({self.source or 'scaled'})"
+        """``"measured"`` (``"measured (<source>)"`` once calibrated on the running workers) or
+        ``"NOT_MEASURED (<source>)"``: the label reports print next to the type."""
+        if self.measured:
+            return f"measured ({self.source})" if self.source else "measured"
+        return f"{NOT_MEASURED} ({self.source or 'scaled'})"
 
 
 @dataclass(frozen=True)

@@ -267,3 +267,43 @@ def problem_from_config(
     """
     spec = parse_spec(config, path=path, counts=counts)
     return profile(model, spec, batch, name=name)
+
+
+def micro_batch_times(model: nn.Module, problem: PlacementProblem, batch: torch.Tensor, micro_batches: int, *,
+                      reps: int = 5, warmup: int = 2) -> list[dict[str, float]]:
+    """Per layer, seconds of forward+backward of one micro-batch (``batch_size / micro_batches``
+    samples) on one worker of each type of ``problem``: what a pipeline stage runs per micro-batch
+    (small batches compute less efficiently than ``1/m`` of a batch, so this is measured, not divided).
+
+    Measured CPU types are timed on the first ``batch_size / micro_batches`` rows of ``batch``; a type
+    measured on another device is timed there; a scaled type gets the CPU figure divided by its
+    ``speed_scale`` plus ``overhead_s``; a type whose times came from the config gets them divided by
+    ``micro_batches`` (the config gives batch times only)."""
+    if micro_batches < 1 or problem.batch_size % micro_batches:
+        raise ValueError(f"micro_batches must divide batch_size {problem.batch_size}, got {micro_batches!r}")
+    layers = split_layers(model)
+    if len(layers) != problem.n_layers:
+        raise ValueError(f"the model has {len(layers)} layers, the problem {problem.n_layers}")
+    x = batch[: problem.batch_size // micro_batches]
+    by_device: dict[torch.device, list[LayerTiming]] = {}
+    with torch.random.fork_rng(devices=[]):
+        for r in problem.resources:
+            if r.measured:
+                dev = torch.device(r.device)
+                if dev not in by_device:
+                    by_device[dev] = measure_layers(layers, x, r.device, reps, warmup)
+        cpu = by_device.get(torch.device("cpu"))
+        ref = reference_type(problem)
+        out: list[dict[str, float]] = [{} for _ in layers]
+        for r in problem.resources:
+            for i, layer in enumerate(layers):
+                if r.measured:
+                    t = by_device[torch.device(r.device)][i].time_s
+                elif r.source.startswith("scaled") and ref is not None:
+                    if cpu is None:  # the reference is measured on the CPU, so this was timed above
+                        raise ValueError("a scaled type needs the CPU reference measured")
+                    t = cpu[i].time_s / r.scale_for(layer.kind) + r.overhead_s
+                else:
+                    t = problem.layers[i].time_s[r.name] / micro_batches
+                out[i][r.name] = t
+    return out

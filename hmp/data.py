@@ -7,22 +7,30 @@ Nothing here downloads anything. Sources:
 * ``sparse``  synthetic sparse high-dimensional classification (``generate_sparse_classification``).
 * ``synthetic`` synthetic dense classification from a hidden nonlinear teacher (``generate_dense_classification``).
 * ``svmlight`` a local LIBSVM/svmlight text file (``load_svmlight``).
-* ``npz``     a local ``.npz`` with arrays ``x``, ``y`` and optionally ``x_test``, ``y_test``.
+* ``npz``     a local ``.npz`` with arrays ``x``, ``y`` and optionally ``x_test``, ``y_test`` (``load_npz``).
 
-Every loader returns a :class:`Dataset`; :func:`load_dataset` picks one from a spec.
+Every loader returns a :class:`Dataset`; :func:`load_dataset` picks one from a spec (or calls a user's
+loader), optionally only a part of it (a worker's share of the training rows, or only the test set).
+The file loaders refuse bad data with the file and the line (svmlight) or array (npz) in the message:
+empty files, unparsable lines, missing arrays, x/y length mismatches, NaN or infinite features.
+:func:`standardize` scales features by training-split statistics; :func:`scale_advice` says when raw
+features likely need it. docs/data.md is the user's guide.
 Workers take their part of the training set with :func:`shard`. Every shuffled example order
 in hmp (a worker's batches, a Hogbatch work unit, a pipeline micro-batch, a Hogwild thread's
 batches) comes from :class:`ShuffledBatches`: deterministic from a seed and the epoch, with a
 batch size that may change between batches (the scheduler resizes batches while training runs).
 
-Tensor conventions: features ``x`` are float32 ``[N, F]`` or, for categorical data,
-int64 bucket ids ``[N, fields]``; labels ``y`` are int64 ``[N]`` in ``0..num_classes-1``.
+Tensor conventions: features ``x`` are float32 ``[N, F]`` (or ``[N, ...]``, e.g. images ``[N, C, H, W]``)
+or, for categorical data, int64 bucket ids ``[N, fields]``; labels ``y`` are int64 ``[N]`` in
+``0..num_classes-1``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,7 +43,13 @@ from torch import Tensor
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A train/test split. ``label_values[c]`` is the original label of class ``c`` (when remapped)."""
+    """A train/test split. ``label_values[c]`` is the original label of class ``c`` (when remapped).
+
+    ``x`` has one row per example and any shape per example (``[N, F]`` features, ``[N, C, H, W]``
+    images, ...); train and test agree on it. A partial load (:func:`load_dataset` with ``part`` or
+    ``share``) holds rows ``[train_offset, train_offset + len(y_train))`` of a training split of
+    ``train_total`` rows (None: all of it), and possibly no test rows.
+    """
 
     x_train: Tensor
     y_train: Tensor
@@ -44,22 +58,47 @@ class Dataset:
     name: str
     num_classes: int
     label_values: tuple[float, ...] = ()
+    train_offset: int = 0
+    train_total: int | None = None
 
     def __post_init__(self) -> None:
         for xs, ys, part in ((self.x_train, self.y_train, "train"), (self.x_test, self.y_test, "test")):
-            if xs.dim() != 2 or ys.dim() != 1 or xs.shape[0] != ys.shape[0]:
+            if xs.dim() < 2 or ys.dim() != 1 or xs.shape[0] != ys.shape[0]:
                 raise ValueError(
-                    f"dataset {self.name!r} {part}: expected x [N, F] and y [N], got {list(xs.shape)} and {list(ys.shape)}"
-                )
+                    f"dataset {self.name!r} {part}: expected x [N, F] (or [N, ...]) and y [N], got {list(xs.shape)} "
+                    f"and {list(ys.shape)}")
             if xs.dtype not in (torch.float32, torch.int64) or ys.dtype != torch.int64:
                 raise ValueError(f"dataset {self.name!r} {part}: expected x float32/int64 and y int64, got {xs.dtype}, {ys.dtype}")
-        if self.x_train.shape[1] != self.x_test.shape[1]:
-            raise ValueError(f"dataset {self.name!r}: train has {self.x_train.shape[1]} features, test {self.x_test.shape[1]}")
+        if self.x_train.shape[1:] != self.x_test.shape[1:]:
+            raise ValueError(f"dataset {self.name!r}: train rows are {list(self.x_train.shape[1:])}, test rows "
+                             f"{list(self.x_test.shape[1:])}")
 
     @property
     def num_features(self) -> int:
-        """Columns of ``x``: features (float) or fields (categorical ids)."""
-        return int(self.x_train.shape[1])
+        """Columns of ``x``: features (float) or fields (categorical ids); for ``[N, ...]`` data, values per row."""
+        return int(np.prod(self.x_train.shape[1:]))
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """One example's shape: ``(F,)``, or e.g. ``(C, H, W)`` for images."""
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def n_train(self) -> int:
+        """Rows of the whole training split (a partial load holds only some of them)."""
+        return len(self.y_train) if self.train_total is None else self.train_total
+
+
+class LoaderArgumentsError(ValueError):
+    """A loader's keyword arguments (a spec's options) that its signature refuses."""
+
+
+class NotADataset(TypeError):
+    """A loader returned something else than a :class:`Dataset`."""
+
+
+class DataWarning(UserWarning):
+    """Data that loads but likely trains badly (e.g. raw features of very different scales)."""
 
 
 def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int, stratify: bool = True):
@@ -345,17 +384,88 @@ def generate_dense_classification(
 # ---------------------------------------------------------------------------- files
 
 
+SVMLIGHT_LINE = "'LABEL INDEX:VALUE INDEX:VALUE ...' (indices increasing, an optional '# comment')"
+
+
+def _svmlight_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """``(line number, content)`` of each line that holds an example (comments and blank lines skipped,
+    as scikit-learn's parser does): the i-th one is row i of the matrix."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            content = raw.split(b"#", 1)[0].strip()
+            if content:
+                yield number, content
+
+
+def _svmlight_line_fault(content: bytes) -> str | None:
+    """Why one line is not svmlight data (None: it is)."""
+    tokens = content.split()
+    try:
+        label = float(tokens[0])
+    except ValueError:
+        return f"the label {tokens[0].decode(errors='replace')!r} is not a number"
+    if not math.isfinite(label):
+        return f"the label is {tokens[0].decode()}"
+    last = -1
+    for tok in tokens[1:]:
+        index, sep, value = tok.partition(b":")
+        if not sep:
+            return f"{tok.decode(errors='replace')!r} is not INDEX:VALUE"
+        if index == b"qid":
+            continue
+        try:
+            i, v = int(index), float(value)
+        except ValueError:
+            return f"{tok.decode(errors='replace')!r} is not INDEX:VALUE with an integer index and a number"
+        if i < 0 or i <= last:
+            return f"feature index {i} {'is negative' if i < 0 else f'follows {last}'}; indices must increase"
+        if not math.isfinite(v):
+            return f"feature {i} is {value.decode()} (NaN and infinity cannot be trained on)"
+        last = i
+    return None
+
+
+def _svmlight_fault(path: str | Path, row: int | None = None) -> str:
+    """Where and why ``path`` is not svmlight data: the first bad line, or (``row``) the line of that row."""
+    for i, (number, content) in enumerate(_svmlight_lines(path)):
+        why = _svmlight_line_fault(content)
+        if why is not None or i == row:
+            shown = content[:60].decode(errors="replace") + ("..." if len(content) > 60 else "")
+            return f"{path} line {number}: {why or 'refused'}; expected {SVMLIGHT_LINE}, got {shown!r}"
+    return f"{path}: not valid svmlight/LIBSVM data; expected {SVMLIGHT_LINE} on every line"
+
+
 def _read_svmlight(paths: list[str | Path], n_features: int | None) -> list:
-    """Read svmlight files together (one index base and feature count for all): ``[x0, y0, x1, y1, ...]``."""
+    """Read svmlight files together (one index base and feature count for all): ``[x0, y0, x1, y1, ...]``.
+
+    An empty file, a line that does not parse and a NaN or infinite value are errors naming the file
+    and the line number.
+    """
     from sklearn.datasets import load_svmlight_files
 
     for p in paths:
         if not Path(p).is_file():
             raise FileNotFoundError(f"{p}: no such svmlight file")
+        if Path(p).stat().st_size == 0:
+            raise ValueError(f"{p}: empty file (0 bytes); expected svmlight lines {SVMLIGHT_LINE}")
     try:
-        return load_svmlight_files([str(p) for p in paths], n_features=n_features, dtype=np.float32)
+        out = load_svmlight_files([str(p) for p in paths], n_features=n_features, dtype=np.float32)
     except ValueError as exc:
+        # scikit-learn's parser does not say where: find the first line it would refuse ourselves.
+        for p in paths:
+            fault = _svmlight_fault(p)
+            if " line " in fault:
+                raise ValueError(fault) from None
         raise ValueError(f"{', '.join(map(str, paths))}: not valid svmlight/LIBSVM data: {exc}") from None
+    for p, x, y in zip(paths, out[0::2], out[1::2]):
+        if x.shape[0] == 0:
+            raise ValueError(f"{p}: no examples (only blank or comment lines); expected svmlight lines {SVMLIGHT_LINE}")
+        if not np.isfinite(x.data).all() or not np.isfinite(y).all():
+            bad_x = np.flatnonzero(~np.isfinite(x.data))
+            row = int(np.searchsorted(x.indptr, bad_x[0], side="right") - 1) if len(bad_x) else \
+                int(np.flatnonzero(~np.isfinite(y))[0])
+            raise ValueError(_svmlight_fault(p, row))
+    return out
 
 
 def _label_classes(path: str | Path, *ys: np.ndarray) -> tuple[list[np.ndarray], tuple[float, ...]]:
@@ -382,7 +492,8 @@ def load_svmlight(
     ``Dataset.label_values`` records the original label of each class. Indices are read as
     one-based unless the file contains index 0. With ``test_path`` the test set is read
     from that file (same feature count and label mapping); otherwise ``test_fraction`` of
-    the rows is split off, seeded.
+    the rows is split off, seeded. An empty file, a line that does not parse and a NaN or
+    infinite value raise ValueError naming the file and the line number.
     """
     if test_path is not None:
         x, y, xt, yt = _read_svmlight([path, test_path], n_features)
@@ -395,20 +506,74 @@ def load_svmlight(
     return _dataset(Path(path).stem, len(values), xtr, xte, ytr, yte, values)
 
 
-def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
-    """A ``.npz`` with ``x [N, F]`` (float -> float32, integer -> int64 ids) and int labels ``y [N]``.
+def _npz_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz``: memory-mapped where stored uncompressed (``np.savez``), so that only the rows
+    used are read; loaded where compressed (``np.savez_compressed``)."""
+    import zipfile
 
-    Optional ``x_test``/``y_test`` (both or neither) give the test set; otherwise
-    ``test_fraction`` of the rows is split off, seeded. Labels must already be
-    ``0..C-1``; an optional scalar ``num_classes`` array overrides ``max(y) + 1``.
-    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{path}: no such npz file")
+    if p.stat().st_size == 0:
+        raise ValueError(f"{path}: empty file (0 bytes); expected an .npz (numpy.savez) with arrays 'x' and 'y'")
+    arrays: dict[str, np.ndarray] = {}
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such npz file") from None
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{path}: not a readable .npz file: {exc}") from None
+        with zipfile.ZipFile(p) as zf, open(p, "rb") as raw:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                name = info.filename[:-4]
+                if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
+                    raw.seek(info.header_offset)
+                    local = raw.read(30)  # the local file header: its name and extra field lengths at 26..30
+                    skip = int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+                    raw.seek(info.header_offset + 30 + skip)
+                    version = np.lib.format.read_magic(raw)
+                    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                        np.lib.format.read_array_header_2_0
+                    shape, fortran, dtype = read_header(raw)
+                    if dtype.hasobject:
+                        raise ValueError(f"array {name!r} holds Python objects; expected numbers")
+                    if math.prod(shape) == 0:
+                        arrays[name] = np.empty(shape, dtype=dtype)
+                    else:
+                        arrays[name] = np.memmap(p, dtype=dtype, mode="r", offset=raw.tell(), shape=shape,
+                                                 order="F" if fortran else "C")
+                else:
+                    with zf.open(info) as member:
+                        arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable .npz file (numpy.savez): {exc}") from None
+    return arrays
+
+
+def _nonfinite_row(x: np.ndarray, rows: np.ndarray | None = None, block: int = 65536) -> int | None:
+    """The first row (of ``rows``, default all) of float array ``x`` holding a NaN or an infinity, or None."""
+    if not np.issubdtype(x.dtype, np.floating):
+        return None
+    order = np.arange(len(x)) if rows is None else rows
+    for start in range(0, len(order), block):
+        idx = order[start:start + block]
+        part = x[idx] if rows is not None else x[start:start + block]
+        bad = ~np.isfinite(part.reshape(len(part), -1)).all(axis=1)
+        if bad.any():
+            return int(idx[int(np.argmax(bad))])
+    return None
+
+
+def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0, part: str = "all",
+             share: tuple[int, int] | None = None) -> Dataset:
+    """A ``.npz`` with ``x [N, ...]`` (float -> float32, integer -> int64 ids) and int labels ``y [N]``.
+
+    ``x`` may have any shape per row: ``[N, F]`` features, ``[N, C, H, W]`` images (reaching a CNN as
+    they are). Optional ``x_test``/``y_test`` (both or neither) give the test set; otherwise
+    ``test_fraction`` of the rows is split off, seeded. Labels must already be ``0..C-1``; an
+    optional scalar ``num_classes`` array overrides ``max(y) + 1``. Uncompressed files are
+    memory-mapped: ``part`` and ``share`` (see :func:`load_dataset`) read only those rows. A 0-byte
+    file, a missing array, x/y of different lengths and NaN or infinite features raise ValueError
+    naming the file, the array and (for NaN) the row.
+    """
+    arrays = _npz_arrays(path)
     for key in ("x", "y"):
         if key not in arrays:
             raise ValueError(f"{path}: missing array {key!r}; expected 'x' and 'y' (found {sorted(arrays)})")
@@ -418,24 +583,48 @@ def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0) -> 
         raise ValueError(f"{path}: missing array {missing!r}; 'x_test' and 'y_test' come together")
     for key in ("y", "y_test"):
         if key in arrays:
-            a = arrays[key]
+            a = arrays[key] = np.asarray(arrays[key])
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer) or (a.size and a.min() < 0):
                 raise ValueError(f"{path}: array {key!r} must be 1-D non-negative integer labels, got {a.dtype}{list(a.shape)}")
-    for key in ("x", "x_test"):
-        if key in arrays and arrays[key].ndim != 2:
-            raise ValueError(f"{path}: array {key!r} must be 2-D [N, F], got shape {list(arrays[key].shape)}")
+    for xk, yk in (("x", "y"), ("x_test", "y_test")):
+        if xk not in arrays:
+            continue
+        x = arrays[xk]
+        if x.ndim < 2:
+            raise ValueError(f"{path}: array {xk!r} must be [N, F] (or [N, ...], e.g. images [N, C, H, W]), got "
+                             f"shape {list(x.shape)}")
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise ValueError(f"{path}: array {xk!r} must hold numbers (float features or integer ids), got {x.dtype}")
+        if len(x) != len(arrays[yk]):
+            raise ValueError(f"{path}: arrays {xk!r} ({len(x)} rows) and {yk!r} ({len(arrays[yk])} labels) differ in "
+                             "length; expected one label per row")
+        if len(x) == 0:
+            raise ValueError(f"{path}: array {xk!r} has no rows")
+    if has_test[0] and arrays["x"].shape[1:] != arrays["x_test"].shape[1:]:
+        raise ValueError(f"{path}: rows of 'x' are {list(arrays['x'].shape[1:])} but rows of 'x_test' "
+                         f"{list(arrays['x_test'].shape[1:])}")
+    y_all = arrays["y"].astype(np.int64)
     if has_test[0]:
-        xtr, ytr, xte, yte = arrays["x"], arrays["y"], arrays["x_test"], arrays["y_test"]
-    else:
-        xtr, xte, ytr, yte = _split(arrays["x"], arrays["y"].astype(np.int64), test_fraction, seed)
-    top = max(int(ytr.max(initial=-1)), int(yte.max(initial=-1))) + 1
+        tr, te, y_test_all = np.arange(len(y_all)), np.arange(len(arrays["y_test"])), arrays["y_test"].astype(np.int64)
+    else:  # the split's row numbers only: the same split as of the arrays themselves, no feature read yet
+        tr, te, _, _ = _split(np.arange(len(y_all)), y_all, test_fraction, seed)
+        y_test_all = y_all
+    top = max(int(y_all.max(initial=-1)), int(y_test_all.max(initial=-1))) + 1
     num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else top
     if num_classes < top:
         raise ValueError(f"{path}: num_classes={num_classes} but labels go up to {top - 1}")
+    train_rows, test_rows, offset = _rows_of(tr, te, part, share)
+    x_key, xt_key = "x", "x_test" if has_test[0] else "x"
+    for key, rows in ((x_key, train_rows), (xt_key, test_rows)):
+        bad = _nonfinite_row(arrays[key], np.sort(rows))
+        if bad is not None:
+            raise ValueError(f"{path}: array {key!r} row {bad} holds NaN or infinity; expected finite features")
     try:
-        return _dataset(Path(path).stem, num_classes, xtr, xte, ytr, yte)
+        out = _dataset(Path(path).stem, num_classes, arrays[x_key][train_rows], arrays[xt_key][test_rows],
+                       y_all[train_rows], y_test_all[test_rows])
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+    return out if part == "all" and share is None else dataclasses.replace(out, train_offset=offset, train_total=len(tr))
 
 
 # ---------------------------------------------------------------------------- specs
@@ -443,7 +632,8 @@ def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0) -> 
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Which dataset to load. ``kind``: digits | click | sparse | synthetic | svmlight | npz.
+    """Which dataset to load. ``kind``: digits | click | sparse | synthetic | svmlight | npz (or any
+    name when :func:`load_dataset` is given the loader itself, e.g. one from an import path).
 
     ``path`` is required for the file kinds; ``options`` are the loader's other keyword
     arguments (``n``, ``buckets``, ``test_path``, ...), checked against its signature.
@@ -475,33 +665,162 @@ LOADERS = {
     "npz": load_npz,
 }
 _FILE_KINDS = ("svmlight", "npz")
+PARTS = ("all", "train", "test")
 
 
-def load_dataset(spec: DatasetSpec | Mapping[str, Any]) -> Dataset:
-    """Load the dataset a spec (or mapping, see :meth:`DatasetSpec.from_mapping`) names."""
+def _rows_of(train: np.ndarray, test: np.ndarray, part: str, share: tuple[int, int] | None
+             ) -> tuple[np.ndarray, np.ndarray, int]:
+    """The training and test rows a partial load keeps, and the first kept training row's position in
+    ``train``. ``share = (index, count)``: rows ``[n * index // count, n * (index + 1) // count)`` of the
+    training split, as a static worker's slice is cut (``hmp.nodes.worker``)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    lo, hi = 0, len(train)
+    if share is not None:
+        index, count = share
+        if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
+            raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share!r}")
+        lo, hi = len(train) * index // count, len(train) * (index + 1) // count
+    keep_train = train[lo:hi] if part != "test" else train[:0]
+    keep_test = test if part != "train" else test[:0]
+    return keep_train, keep_test, lo if part != "test" else 0
+
+
+def select(ds: Dataset, part: str = "all", share: tuple[int, int] | None = None) -> Dataset:
+    """Only ``part`` ("all", "train": no test rows, "test": no training rows) and of the training rows
+    only ``share = (index, count)`` (see :func:`load_dataset`); the rows kept are copied out, so that the
+    whole set can be freed. ``ds`` itself when nothing is dropped."""
+    if part == "all" and share is None:
+        return ds
+    train_rows, test_rows, offset = _rows_of(np.arange(len(ds.y_train)), np.arange(len(ds.y_test)), part, share)
+    lo, hi = offset, offset + len(train_rows)
+    keep_test = len(test_rows) == len(ds.y_test)
+    # Copies on purpose: views would keep the whole set alive in every worker.
+    return dataclasses.replace(
+        ds, x_train=ds.x_train[lo:hi].clone(), y_train=ds.y_train[lo:hi].clone(),
+        x_test=ds.x_test if keep_test else ds.x_test[:0].clone(),
+        y_test=ds.y_test if keep_test else ds.y_test[:0].clone(),
+        train_offset=ds.train_offset + offset, train_total=ds.n_train)
+
+
+def load_dataset(spec: DatasetSpec | Mapping[str, Any], *, loader: Any = None, part: str = "all",
+                 share: tuple[int, int] | None = None) -> Dataset:
+    """Load the dataset a spec (or mapping, see :meth:`DatasetSpec.from_mapping`) names.
+
+    ``loader``: the function to call instead of ``LOADERS[kind]`` (a user's loader: it gets the spec's
+    options as keyword arguments, plus ``path``, ``seed`` and ``test_fraction`` where its signature has
+    them, and returns a :class:`Dataset`). ``part``: "all", "train" (no test rows) or "test" (no
+    training rows; ``Dataset.n_train`` still counts them); ``share = (index, count)``: of the training
+    split only rows ``[n * index // count, n * (index + 1) // count)``. An uncompressed npz reads only
+    those rows; other sources are loaded whole and cut (see :func:`select`).
+    """
     if not isinstance(spec, DatasetSpec):
         spec = DatasetSpec.from_mapping(spec)
-    loader = LOADERS.get(spec.kind)
+    own_loader = loader is not None
     if loader is None:
-        raise ValueError(f"unknown dataset kind {spec.kind!r}; expected one of {sorted(LOADERS)}")
-    accepted = set(inspect.signature(loader).parameters)
+        loader = LOADERS.get(spec.kind)
+    if loader is None:
+        raise ValueError(f"unknown dataset kind {spec.kind!r}; expected one of {sorted(LOADERS)} or an import path")
+    params = inspect.signature(loader).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    accepted = set(params)
     kwargs: dict[str, Any] = dict(spec.options)
     unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for dataset kind {spec.kind!r}; accepted: {sorted(accepted)}")
-    if spec.kind in _FILE_KINDS:
-        if not spec.path:
-            raise ValueError(f"dataset kind {spec.kind!r} needs a 'path'")
-        kwargs["path"] = spec.path
-    elif spec.path:
-        raise ValueError(f"dataset kind {spec.kind!r} reads no file, but path={spec.path!r} was given")
-    kwargs.setdefault("seed", spec.seed)
-    kwargs.setdefault("test_fraction", spec.test_fraction)
+    if unknown and not takes_any:
+        raise LoaderArgumentsError(f"unknown option(s) {unknown} for dataset kind {spec.kind!r}; accepted: "
+                                   f"{sorted(accepted)}")
+    if own_loader:
+        if spec.path:
+            kwargs["path"] = spec.path
+        for key, value in (("seed", spec.seed), ("test_fraction", spec.test_fraction)):
+            if key in accepted or takes_any:
+                kwargs.setdefault(key, value)
+    else:
+        if spec.kind in _FILE_KINDS:
+            if not spec.path:
+                raise ValueError(f"dataset kind {spec.kind!r} needs a 'path'")
+            kwargs["path"] = spec.path
+        elif spec.path:
+            raise ValueError(f"dataset kind {spec.kind!r} reads no file, but path={spec.path!r} was given")
+        kwargs.setdefault("seed", spec.seed)
+        kwargs.setdefault("test_fraction", spec.test_fraction)
+    cuts_itself = "part" in accepted and "share" in accepted and not own_loader
+    if cuts_itself:
+        kwargs.update(part=part, share=share)
     try:
         inspect.signature(loader).bind(**kwargs)
     except TypeError as exc:
-        raise ValueError(f"dataset kind {spec.kind!r}: {exc}") from None
-    return loader(**kwargs)
+        raise LoaderArgumentsError(f"dataset kind {spec.kind!r}: {exc}") from None
+    ds = loader(**kwargs)
+    if not isinstance(ds, Dataset):
+        raise NotADataset(f"dataset loader {spec.kind!r} returned a {type(ds).__name__}; expected hmp.data.Dataset")
+    return ds if cuts_itself else select(ds, part, share)
+
+
+# ---------------------------------------------------------------------------- scaling
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureStats:
+    """Per-feature mean and standard deviation of a training split (each position of a row, for ``[N, ...]`` data)."""
+
+    mean: Tensor
+    std: Tensor
+
+    @classmethod
+    def of(cls, x: Tensor) -> FeatureStats:
+        """The statistics of ``x``'s rows (float64 sums over bounded blocks; a constant feature gets std 1,
+        so that it stays as it is rather than being divided by zero)."""
+        if not x.is_floating_point():
+            raise ValueError(f"standardize needs float features, got {x.dtype} (categorical ids are not scaled)")
+        if len(x) == 0:
+            raise ValueError("standardize needs training rows to take statistics from")
+        total = torch.zeros(x.shape[1:], dtype=torch.float64)
+        sq = torch.zeros(x.shape[1:], dtype=torch.float64)
+        for start in range(0, len(x), 65536):
+            block = x[start:start + 65536].double()
+            total += block.sum(0)
+            sq += (block * block).sum(0)
+        mean = total / len(x)
+        std = (sq / len(x) - mean * mean).clamp_min(0).sqrt()
+        std[std < 1e-12] = 1.0
+        return cls(mean.float(), std.float())
+
+    def apply(self, x: Tensor) -> Tensor:
+        """``(x - mean) / std`` in place (``x`` must own its memory)."""
+        return x.sub_(self.mean).div_(self.std)
+
+
+def standardize(ds: Dataset, stats: FeatureStats | None = None) -> Dataset:
+    """``ds`` with every feature scaled to mean 0, variance 1 by ``stats`` (default: of ``ds``'s training
+    rows only, so that nothing of the test set leaks into training). Train and test are scaled alike, in
+    place: the loaded tensors are this function's to change, and a copy would double the data's memory."""
+    stats = stats or FeatureStats.of(ds.x_train)
+    stats.apply(ds.x_train)
+    stats.apply(ds.x_test)
+    return ds
+
+
+#: Raw features whose spreads differ by more than this factor usually leave a model at the majority class.
+SCALE_RATIO_WARN = 1000.0
+
+
+def scale_advice(ds: Dataset, stats: FeatureStats | None = None) -> str | None:
+    """One line suggesting ``[data] standardize = true`` when the features' scales differ wildly (float
+    data only), else None."""
+    if not ds.x_train.is_floating_point() or len(ds.x_train) < 2:
+        return None
+    stats = stats or FeatureStats.of(ds.x_train)
+    scale = torch.maximum(stats.std, stats.mean.abs()).flatten()
+    scale = scale[scale > 1e-6]
+    if len(scale) < 2:
+        return None
+    ratio = float(scale.max() / scale.min())
+    if ratio <= SCALE_RATIO_WARN:
+        return None
+    return (f"dataset {ds.name!r}: the features' scales differ by a factor of {ratio:.3g} (largest "
+            f"{float(scale.max()):.3g}, smallest {float(scale.min()):.3g}); raw features like these often keep a "
+            "model at the majority class: set [data] standardize = true")
 
 
 # ---------------------------------------------------------------------------- sharding and batches

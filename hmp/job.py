@@ -6,10 +6,13 @@ than each assembling them. Below it, the subsystems know nothing of each other.
 
 * :func:`load` / :func:`loads`: :mod:`hmp.config`'s own checks, then each subsystem's
   ``check_config`` (what only its code can judge), then what needs the whole job: the folders it
-  writes (report, checkpoints) can be written, and each shard's share of the model fits in one
-  message; every error naming file and key.
+  writes (report, checkpoints) can be written, each shard's share of the model fits in one
+  message, and (:func:`check_data`, with ``data=True``: the launcher's once-per-job check) the data
+  loads and the model fits it;
+  every error naming file and key (and for data, the data file's line or array).
 * :func:`dataset`: ``[data]`` loaded (digits and click are built in; svmlight and npz read the
-  user's files).
+  user's files; an import path names the user's loader), standardized if asked, whole or only a
+  part (a worker's share, the scheduler's test set).
 * :func:`sharded_model`: the model built from ``[model]`` with its seed, laid out in flat buffers
   (layer-aligned chunks for a pipeline job), fused into one array for a sweep job, and its chunks
   assigned to the shards; identical on every node.
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 
 from hmp import config as config_mod
-from hmp import data, models
+from hmp import data as data_mod
+from hmp import models
 from hmp.batching import adapter as batching_adapter
 from hmp.config import Config
 from hmp.errors import ConfigError
@@ -39,8 +43,10 @@ from hmp.placement import spec as placement_spec
 from hmp.ps.sharding import ShardedModel, assign_chunks
 
 
-def check(cfg: Config) -> None:
-    """Every subsystem's own check of its section (after :func:`hmp.config.validate`)."""
+def check(cfg: Config, *, data: bool = False) -> None:
+    """Every subsystem's own check of its section (after :func:`hmp.config.validate`); with ``data``, then
+    :func:`check_data` (advice, such as raw features that want standardizing, as a
+    :class:`hmp.data.DataWarning`)."""
     models.check_config(cfg)
     if cfg.sweep.members:
         try:
@@ -51,6 +57,9 @@ def check(cfg: Config) -> None:
     placement_spec.check_config(cfg)
     check_writable_dirs(cfg)
     check_shard_share(cfg)
+    if data:
+        for advice in check_data(cfg):
+            warnings.warn(advice, data_mod.DataWarning, stacklevel=3)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -93,7 +102,7 @@ def _shard_chunks(cfg: Config) -> tuple[Chunk, ...]:
     m = cfg.model
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = models.build_model(m.name, **m.args)
+        model = models.build_model(m.name, relative_to=models.config_dir(cfg), **m.args)
     if cfg.placement.enabled:
         return layer_aligned_layout(model, cfg.ps.chunk_bytes).chunks
     named = [(n, p) for n, p in model.named_parameters()]
@@ -111,7 +120,7 @@ def check_shard_share(cfg: Config) -> None:
         return
     try:
         chunks = _shard_chunks(cfg)
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+    except Exception:  # noqa: BLE001 (a user's factory may raise anything)
         return  # not buildable on the meta device: the subsystems' own checks speak for the model
     by_key = {c.key: c for c in chunks}
     limits = cfg.limits
@@ -133,30 +142,50 @@ def check_shard_share(cfg: Config) -> None:
             "add PS shards"))
 
 
-def loads(text: str, path: str = "<string>") -> Config:
-    """Parse TOML text into a :class:`Config` checked by the config and by every subsystem."""
+def loads(text: str, path: str = "<string>", *, data: bool = False) -> Config:
+    """Parse TOML text into a :class:`Config` checked by the config and by every subsystem (``data``: and
+    its data loaded and checked against the model, :func:`check_data`)."""
     cfg = config_mod.loads(text, path)
-    check(cfg)
+    check(cfg, data=data)
     return cfg
 
 
-def load(path: str | os.PathLike) -> Config:
-    """Load a TOML config file, checked by the config and by every subsystem."""
+def load(path: str | os.PathLike, *, data: bool = False) -> Config:
+    """Load a TOML config file, checked by the config and by every subsystem (``data``: and its data
+    loaded and checked against the model, :func:`check_data`: what the launcher asks for, once, before
+    any daemon starts; the daemons check what they load themselves)."""
     cfg = config_mod.load(path)
-    check(cfg)
+    check(cfg, data=data)
     return cfg
 
 
 def with_env(cfg: Config, environ: Mapping[str, str] | None = None) -> Config:
-    """The HMP_* environment overrides applied (:data:`hmp.config.ENV_OVERRIDES`), checked again."""
+    """The HMP_* environment overrides applied (:data:`hmp.config.ENV_OVERRIDES`), checked again (the data
+    not again: no override touches ``[data]`` or ``[model]``)."""
     out = config_mod.env_overrides(cfg, environ)
     if out is not cfg:
-        check(out)
+        check(out, data=False)
     return out
 
 
-def dataset(cfg: Config) -> data.Dataset:
-    """Load ``[data]``: digits and click are built in; svmlight and npz read the user's files."""
+def _data_key(cfg: Config) -> str:
+    """The key a data error is reported under: the file's, or the generator's arguments."""
+    return "data.path" if cfg.data.path else "data.args"
+
+
+def _loader(cfg: Config) -> Any:
+    """``[data] kind``'s loader when it is an import path (relative file paths from the config), else None."""
+    kind = cfg.data.kind
+    if not models.is_import_path(kind):
+        return None
+    try:
+        return models.import_object(kind, models.config_dir(cfg))
+    except models.ModelNotFound as exc:
+        raise ConfigError(cfg.path, "data.kind", f"a loader function ({exc})") from None
+
+
+def _load(cfg: Config, part: str, share: tuple[int, int] | None) -> data_mod.Dataset:
+    """``[data]`` as :func:`hmp.data.load_dataset` loads it (no scaling); every failure a ConfigError."""
     d = cfg.data
     spec: dict[str, Any] = {"kind": d.kind, "seed": d.seed, "test_fraction": d.test_fraction, **d.args}
     if d.kind == "click":
@@ -165,10 +194,138 @@ def dataset(cfg: Config) -> data.Dataset:
         spec["path"] = str(cfg.resolve(d.path))
     if d.test_path:
         spec["test_path"] = str(cfg.resolve(d.test_path))
+    loader = _loader(cfg)
     try:
-        return data.load_dataset(spec)
-    except ValueError as exc:
-        raise ConfigError(cfg.path, "data", str(exc)) from None
+        return data_mod.load_dataset(spec, loader=loader, part=part, share=share)
+    except data_mod.LoaderArgumentsError as exc:
+        raise ConfigError(cfg.path, "data.args", str(exc)) from None
+    except data_mod.NotADataset as exc:
+        raise ConfigError(cfg.path, "data.kind", f"a loader that returns hmp.data.Dataset; {exc}") from None
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        if loader is None:  # our loaders' messages name the file, and the line or array
+            raise ConfigError(cfg.path, _data_key(cfg), str(exc)) from None
+        raise ConfigError(cfg.path, "data.kind", f"a loader that loads the data; {d.kind}() raised "
+                                                 f"{exc.__class__.__name__}: {exc}") from None
+    except Exception as exc:  # a user's loader may raise anything
+        if loader is None:
+            raise
+        raise ConfigError(cfg.path, "data.kind", f"a loader that loads the data; {d.kind}() raised "
+                                                 f"{exc.__class__.__name__}: {exc}") from None
+
+
+#: A partial load's training statistics for ``standardize`` are summed over this many slices of the
+#: training split, one at a time: an uncompressed npz then never holds more than a slice in memory.
+_STATS_SLICES = 8
+
+
+def _train_stats(cfg: Config, loaded: data_mod.Dataset) -> data_mod.FeatureStats:
+    """The whole training split's feature statistics (``loaded`` may be a part of it)."""
+    if loaded.train_total is None:
+        return data_mod.FeatureStats.of(loaded.x_train)
+    slices = _STATS_SLICES if cfg.data.kind == "npz" else 1
+    total = sq = None
+    n = 0
+    for k in range(slices):
+        x = _load(cfg, "train", (k, slices) if slices > 1 else None).x_train
+        if not x.is_floating_point():
+            raise ConfigError(cfg.path, "data.standardize", f"false for integer features (categorical ids), "
+                                                            f"got x of {x.dtype}")
+        block = x.double()
+        total = block.sum(0) if total is None else total + block.sum(0)
+        sq = (block * block).sum(0) if sq is None else sq + (block * block).sum(0)
+        n += len(x)
+        del x, block
+    if not n:
+        raise ConfigError(cfg.path, _data_key(cfg), "training rows to take the standardize statistics from; none")
+    mean = total / n
+    std = (sq / n - mean * mean).clamp_min(0).sqrt()
+    std[std < 1e-12] = 1.0
+    return data_mod.FeatureStats(mean.float(), std.float())
+
+
+def dataset(cfg: Config, part: str = "all", share: tuple[int, int] | None = None) -> data_mod.Dataset:
+    """Load ``[data]``: digits and click are built in; svmlight and npz read the user's files; an import
+    path calls the user's loader. ``[data] standardize``: features scaled by the whole training split's
+    statistics (also when only a part is loaded). ``part`` / ``share``: only the test set ("test", the
+    scheduler's evaluation), only the training rows ("train"), and of those only worker ``index`` of
+    ``count``'s slice (``share = (index, count)``), read alone where the format allows (uncompressed npz).
+    Bad data is a ConfigError naming the config file, the key, and the data file's line or array."""
+    ds = _load(cfg, part, share)
+    if cfg.data.standardize:
+        if not ds.x_train.is_floating_point() and not ds.x_test.is_floating_point():
+            raise ConfigError(cfg.path, "data.standardize", f"false for integer features (categorical ids), got "
+                                                            f"x of {ds.x_train.dtype}")
+        data_mod.standardize(ds, _train_stats(cfg, ds))
+    return ds
+
+
+def _first_layer(model: torch.nn.Module) -> tuple[str, str] | None:
+    """What the model's first weighted layer expects of one example, and the layer: for the error message."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            return f"rows of {module.in_features} features", repr(module)
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            dims = {torch.nn.Conv1d: "L", torch.nn.Conv2d: "H, W", torch.nn.Conv3d: "D, H, W"}[type(module)]
+            return f"rows of [{module.in_channels}, {dims}] ({module.in_channels} channels)", repr(module)
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            return f"int64 ids in [0, {module.num_embeddings})", repr(module)
+    return None
+
+
+def check_model_fits(cfg: Config, ds: data_mod.Dataset) -> None:
+    """One forward pass of two real rows of ``ds`` through ``[model]``: a model that does not fit the data, or
+    whose outputs cannot score its labels, is a ConfigError naming both shapes (before any daemon trains,
+    rather than a traceback from a worker mid-training). On the meta device first (no memory, no
+    initialisation); a model that cannot run there (e.g. it reads a value) is built for real."""
+    x = ds.x_train[:2] if len(ds.x_train) else ds.x_test[:2]
+    if not len(x):
+        return
+    where = str(cfg.resolve(cfg.data.path)) if cfg.data.path else f"[data] kind = {cfg.data.kind!r}"
+    m = cfg.model
+    key = "model.args" if not models.is_import_path(m.name) else "model.name"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device("meta"):
+                model = models.from_config(cfg)
+            with torch.no_grad():
+                out = model(x.to("meta"))
+    except Exception:  # noqa: BLE001 (whatever the model raises is reported below, from a real run)
+        model = models.from_config(cfg, seed=m.seed)
+        try:
+            with torch.no_grad():
+                out = model(x)
+        except Exception as exc:  # noqa: BLE001
+            first = _first_layer(model)
+            expects = f"{first[0]} (its first layer: {first[1]})" if first else "other input"
+            raise ConfigError(cfg.path, key, (
+                f"a model that fits the data: model {m.name!r} expects {expects}, data has rows of shape "
+                f"{list(ds.feature_shape)} ({x.dtype}, {where}); a forward pass of x {list(x.shape)} raised "
+                f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")) from None
+    labels = [t for t in (ds.y_train, ds.y_test) if len(t)]
+    top = max(int(t.max()) for t in labels) if labels else -1
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(x):
+        shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(cfg.path, key, f"a model that outputs logits [N, classes]; model {m.name!r} gives "
+                                         f"{shape} for x {list(x.shape)} ({where})")
+    if out.shape[1] <= top:
+        raise ConfigError(cfg.path, key, (
+            f"a model with an output per class: model {m.name!r} outputs {out.shape[1]} logits per row but the "
+            f"labels go up to {top} ({top + 1} classes, {where}); give the model at least {top + 1} outputs"))
+
+
+def check_data(cfg: Config) -> list[str]:
+    """Load ``[data]`` once, as a daemon would (every row checked: files, lines, arrays, NaN/inf), and run
+    :func:`check_model_fits` on it. Returns advice for the user (one line each; e.g. features whose
+    scales differ wildly while ``[data] standardize`` is off). Errors are ConfigErrors."""
+    ds = dataset(cfg)
+    check_model_fits(cfg, ds)
+    advice = []
+    if not cfg.data.standardize:
+        line = data_mod.scale_advice(ds)
+        if line:
+            advice.append(line)
+    return advice
 
 
 def sharded_model(cfg: Config, device: str | torch.device = "cpu") -> ShardedModel:
@@ -178,11 +335,11 @@ def sharded_model(cfg: Config, device: str | torch.device = "cpu") -> ShardedMod
     if cfg.sweep.members:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(m.seed)
-            array = FusedArray(lambda: models.build_model(m.name, **m.args), cfg.sweep.members,
+            array = FusedArray(lambda: models.from_config(cfg), cfg.sweep.members,
                                cfg.sweep.optimizer, device)
         model = array.model
     else:
-        model = models.build_model(m.name, seed=m.seed, **m.args)
+        model = models.from_config(cfg, seed=m.seed)
     if cfg.placement.enabled:
         # Pipeline stages push their own layers' chunks: no chunk may straddle two layers.
         layout = layer_aligned_layout(model, cfg.ps.chunk_bytes)

@@ -17,6 +17,7 @@ import asyncio
 import signal
 import sys
 import time
+import warnings
 from typing import Any
 
 import uvloop
@@ -66,9 +67,19 @@ async def _launch(args: argparse.Namespace) -> int:
     # this process's (through hmp.job) run at once on two cores instead of one after the other (~2 s).
     from hmp import job
     from hmp.cluster import JobFailed, LocalCluster
+    from hmp.data import DataWarning
 
-    cfg = job.with_env(job.load(args.config))
+    # The data too, once, here: a bad file or a model that does not fit it is one line and exit 2 before any daemon
+    # starts (docs/data.md); the daemons then load only their part. Advice (e.g. standardize) is one line each.
+    with warnings.catch_warnings(record=True) as advice:
+        warnings.simplefilter("always", DataWarning)
+        cfg = job.with_env(job.load(args.config, data=True))
     hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+    for w in advice:
+        if issubclass(w.category, DataWarning):
+            print(f"hmp-launch: warning: {w.message}", file=sys.stderr, flush=True)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if args.engine == "ray":
         from hmp.ray_engine import RayCluster  # importable: main() checked
     bar = ProgressBar(cfg.train.epochs)

@@ -343,3 +343,74 @@ def test_shuffled_batches_order_is_fixed_by_seed_and_epoch() -> None:
     assert done.next_batch() is not None and done.next_batch() is None
     with pytest.raises(ValueError, match="batch_size"):
         ShuffledBatches(30, 0)
+
+
+# ---------------------------------------------------------------------------- any shape, partial loads, bad files
+
+
+def test_npz_of_images_keeps_its_shape_and_loads_parts_by_rows(tmp_path: Path) -> None:
+    """x [N, C, H, W] stays 4-D; a share of the training split and the test part are exactly rows of the whole;
+    a compressed npz (not memory-mapped) gives the same."""
+    from hmp.data import select
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(60, 2, 3, 3)).astype(np.float32), np.arange(60) % 3
+    for save in (np.savez, np.savez_compressed):
+        path = tmp_path / f"{save.__name__}.npz"
+        save(path, x=x, y=y)
+        whole = load_npz(path, test_fraction=0.25)
+        assert whole.x_train.shape == (45, 2, 3, 3) and whole.feature_shape == (2, 3, 3) and whole.num_features == 18
+        share = load_npz(path, test_fraction=0.25, part="train", share=(1, 2))
+        assert share.train_offset == 22 and share.n_train == 45 and len(share.y_test) == 0
+        assert torch.equal(share.x_train, whole.x_train[22:]) and torch.equal(share.y_train, whole.y_train[22:])
+        test = load_npz(path, test_fraction=0.25, part="test")
+        assert len(test.y_train) == 0 and torch.equal(test.x_test, whole.x_test)
+        cut = select(whole, "train", (0, 2))
+        assert torch.equal(cut.x_train, whole.x_train[:22]) and cut.x_train.data_ptr() != whole.x_train.data_ptr()
+    assert load_dataset({"kind": "npz", "path": str(path), "test_fraction": 0.25}, part="test").n_train == 45
+
+
+def test_bad_files_name_the_file_and_the_line_or_array(tmp_path: Path) -> None:
+    """svmlight: an empty file, a bad token and a NaN name the line; npz: a 0-byte file, x/y of different lengths
+    and an infinity name the array (and row)."""
+    svm = tmp_path / "d.svm"
+    svm.write_text("# a comment line\n1 1:0.5 2:1\n\n0 1:1 2:oops\n")
+    with pytest.raises(ValueError, match=r"d\.svm line 4: '2:oops' is not INDEX:VALUE"):
+        load_svmlight(svm)
+    svm.write_text("1 1:0.5\n0 2:inf\n1 1:2\n")
+    with pytest.raises(ValueError, match=r"d\.svm line 2: feature 2 is inf"):
+        load_svmlight(svm)
+    svm.write_text("# only a comment\n")
+    with pytest.raises(ValueError, match=r"d\.svm: no examples"):
+        load_svmlight(svm)
+    npz = tmp_path / "d.npz"
+    npz.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"d\.npz: empty file \(0 bytes\)"):
+        load_npz(npz)
+    npz.write_bytes(b"not a zip at all")
+    with pytest.raises(ValueError, match=r"d\.npz: not a readable \.npz"):
+        load_npz(npz)
+    np.savez(npz, x=np.ones((4, 2)), y=np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"arrays 'x' \(4 rows\) and 'y' \(3 labels\) differ in length"):
+        load_npz(npz)
+    x = np.ones((8, 2), dtype=np.float32)
+    x[5, 1] = np.nan
+    np.savez(npz, x=x[:6], y=np.arange(6) % 2, x_test=x[6:], y_test=np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"array 'x' row 5 holds NaN or infinity"):
+        load_npz(npz)
+
+
+def test_standardize_and_scale_advice() -> None:
+    """standardize scales with the training rows' statistics only; scale_advice speaks only for wildly mixed scales."""
+    from hmp.data import FeatureStats, scale_advice, standardize
+
+    x_train = torch.tensor([[1.0, 1e5], [3.0, 3e5], [5.0, 5e5]])
+    x_test = torch.tensor([[7.0, 7e5]])
+    y = torch.zeros(3, dtype=torch.int64)
+    d = Dataset(x_train.clone(), y, x_test.clone(), y[:1], "t", 2)
+    assert "standardize = true" in scale_advice(d)
+    standardize(d)
+    torch.testing.assert_close(d.x_train.mean(0), torch.zeros(2))
+    expected = 4.0 / FeatureStats.of(x_train).std[0].item()  # (7 - 3) / std, alike in both columns
+    torch.testing.assert_close(d.x_test, torch.tensor([[expected, expected]]))
+    assert scale_advice(d) is None

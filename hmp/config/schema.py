@@ -85,14 +85,18 @@ class NodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = _field("digits_mlp", "model factory in hmp.models (digits_mlp, click_model, deep_mlp)")
+    name: str = _field("digits_mlp", "model factory: digits_mlp | click_model | deep_mlp (their args: docs/data.md), or "
+                                     "an import path 'package.module:function' / 'path/to/file.py:function' (relative "
+                                     "to the config file) returning a torch.nn.Module")
     args: dict = _field({}, "keyword arguments for the factory")
     seed: int = _field(0, "seed for the initial parameters (every node builds the same model)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    kind: str = _field("digits", "digits | click | synthetic (generated, args: n, n_features, ...) | svmlight | npz")
+    kind: str = _field("digits", "digits | click | synthetic (generated, args: n, n_features, ...) | svmlight | npz (x of "
+                                 "any shape [N, ...]) | an import path to a loader returning hmp.data.Dataset "
+                                 "(docs/data.md)")
     path: str = _field("", "svmlight/npz: the file (relative paths: to the config file)")
     test_path: str = _field("", "svmlight: an optional separate test file")
     test_fraction: float = _field(0.2, "held-out fraction when the data has no test split")
@@ -459,8 +463,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "optimizer.name", f"one of ['sgd', 'adam', 'adagrad'], got {cfg.optimizer.name!r}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(p, "optimizer.lr", "a number > 0")
-    if cfg.data.kind not in ("digits", "click", "synthetic", "svmlight", "npz"):
-        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'synthetic', 'svmlight', 'npz'], got {cfg.data.kind!r}")
+    if cfg.data.kind not in ("digits", "click", "synthetic", "svmlight", "npz") and ":" not in cfg.data.kind:
+        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'synthetic', 'svmlight', 'npz'] or an import path "
+                                          f"to a loader ('package.module:function' or 'path/to/file.py:function'), "
+                                          f"got {cfg.data.kind!r}")
     if cfg.data.kind in ("svmlight", "npz") and not cfg.data.path:
         raise ConfigError(p, "data.path", f"a file path for data.kind = {cfg.data.kind!r}")
     if cfg.sweep.members:

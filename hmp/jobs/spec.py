@@ -180,7 +180,7 @@ def _grad_bytes(cfg: Config) -> int:
     from hmp import models
 
     with torch.device("meta"):
-        model = models.MODELS[cfg.model.name](**cfg.model.args)
+        model = models.from_config(cfg)
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
@@ -198,7 +198,7 @@ def profile_compute_s(spec: JobSpec, steps: int = 5) -> float:
     torch.manual_seed(0)
     from hmp import models
 
-    model = models.MODELS[spec.cfg.model.name](**spec.cfg.model.args)
+    model = models.from_config(spec.cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = data.x_train[:spec.batch_size], data.y_train[:spec.batch_size]
     times = []

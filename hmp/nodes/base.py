@@ -95,6 +95,7 @@ class Node:
         self.log = structlog.get_logger("hmp").bind(role=self.node.role, node_id=node_id)
         self.stopping = asyncio.Event()
         self.failed: str | None = None
+        self.config_error: ConfigError | None = None  # main() found the config (its data) unusable: exit 2
         self.server: Server | None = None
         self.scheduler: Client | None = None
         self.welcome: Welcome | None = None
@@ -356,11 +357,16 @@ class Node:
             set_process_job_token("")
             security.set_process_security(None)
         self.log.info("stopped", failed=self.failed)
+        if self.config_error is not None:  # hmp.nodes.main prints it as the one line and exits 2
+            raise self.config_error
         return 1 if self.failed else 0
 
     async def _run_main(self) -> None:
         try:
             await self.main()
+        except ConfigError as exc:  # e.g. its own load of bad data: the launcher's one line, and exit 2
+            self.config_error = exc
+            self.fail(f"{exc.__class__.__name__}: {exc}")
         except HmpError as exc:
             self.fail(f"{exc.__class__.__name__}: {exc}")
         except Exception as exc:  # a crash must still close sockets and report

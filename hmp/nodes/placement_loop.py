@@ -38,7 +38,7 @@ from hmp.config import Config
 from hmp.data import Dataset
 from hmp.errors import HmpError
 from hmp.messages import StageAssign
-from hmp.models import build_model
+from hmp.models import from_config
 from hmp.pipeline.assign import StageWorkers, assign_workers, predicted_throughput, runnable
 from hmp.pipeline.schedule import micro_batches_of, total_steps
 from hmp.placement import calibration
@@ -108,7 +108,7 @@ class PlacementLoop:
 
     async def run(self) -> None:
         x = self.dataset.x_train[: self.cfg.train.batch_size]
-        model = build_model(self.cfg.model.name, **self.cfg.model.args)
+        model = from_config(self.cfg)
         # Profile once the workers have joined: while they start (importing torch, loading data) the
         # shared cores are busy and layer times come out inflated and noisy.
         await self.wait_for_workers()

@@ -51,6 +51,7 @@ from hmp import job
 from hmp.errors import HmpError, RemoteError, RequestError, TransportError
 from hmp.messages import Ack, Assign, Kind, Message, Report, Shards, Work
 from hmp.nodes.base import Node
+from hmp.ps.schedule import lr_at
 
 
 def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
@@ -121,14 +122,19 @@ class WorkerNode(Node):
         return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
 
     async def main(self) -> None:
-        # Set-up (data, model) happens before joining, on the compute thread (signals are still heard).
-        data = await self.in_thread(job.dataset, self.cfg)
+        # The model is built before joining, on the compute thread (signals are still heard); the data after, when
+        # this worker knows its slice: it loads only what it trains on (docs/data.md, "Loading a part").
         sharded = await self.in_thread(job.sharded_model, self.cfg, self.device)
         welcome = await self.join()
         if welcome is None:
             return
         self.start_heartbeat()
         info = welcome.info
+        index, count = int(info["worker_index"]), int(info["num_workers"])
+        # A static slice is this worker's share of the training rows; first-come-first-served work units may come
+        # from anywhere. Only worker 0 evaluates, so only it loads the test set.
+        share = None if self.first_come_first_served else (index, count)
+        data = await self.in_thread(job.dataset, self.cfg, "all" if index == 0 else "train", share)
         self.batch_size = int(info.get("batch_size") or self.batch_size)
         resumed = info.get("resume") or {}
         if resumed:  # a resumed job: the counters go on from the previous part's
@@ -145,7 +151,7 @@ class WorkerNode(Node):
         try:
             if not await self.with_shards(ps, ps.pull, "pull"):
                 return
-            await self.train(ps, data, int(info["worker_index"]), int(info["num_workers"]))
+            await self.train(ps, data, index, count)
         except Exception as exc:
             self.failed = f"{exc.__class__.__name__}: {exc}"
             raise
@@ -247,9 +253,15 @@ class WorkerNode(Node):
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)
         done_here = self.metrics["samples"] - self.samples_before  # a resumed part's rate is its own
-        return {**self.metrics, "samples_per_s": done_here / wall, "busy_fraction": self.busy_s / wall,
-                "batch_size": float(self.batch_size), "busy_s": self.busy_s, "bytes_out": float(ps.bytes_out),
-                "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
+        out = {**self.metrics, "samples_per_s": done_here / wall, "busy_fraction": self.busy_s / wall,
+               "batch_size": float(self.batch_size), "busy_s": self.busy_s, "bytes_out": float(ps.bytes_out),
+               "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
+        versions = getattr(ps, "shard_versions", None)
+        if versions and not self.cfg.sweep.members:
+            # The rate of the last update the shards applied, as far as this worker has heard (the lowest
+            # shard version in its replies: a version counts the updates applied, docs/optimizers.md).
+            out["lr"] = lr_at(max(0, min(versions.values()) - 1), self.cfg.optimizer)
+        return out
 
     async def send_report(self, ps: PSClient, done: bool = False) -> None:
         """Report progress (``done``: the final report); a progress report gives way to a stop, and
@@ -372,7 +384,8 @@ class WorkerNode(Node):
                 lv = sum(members) / len(members)
             return lv, members, time.perf_counter() - t0
 
-        async for idx in self.batches(len(y), index, count):
+        async for idx in self.batches(data.n_train, index, count):
+            idx = idx - data.train_offset  # rows of the training split -> rows of this worker's share
             if self.stopping.is_set() or self.stop_requested:
                 return
             lv, members, busy = await self.in_thread(step, idx)
@@ -431,7 +444,8 @@ class WorkerNode(Node):
             self.step += drained.updates
             self.metrics.update(samples=self.metrics["samples"] + drained.samples, updates=self.step)
 
-        async for ids in self.units(len(y), index, count):
+        async for ids in self.units(data.n_train, index, count):
+            ids = ids - data.train_offset  # rows of the training split -> rows of this worker's share
             if self.stopping.is_set() or self.stop_requested:
                 break
             trainer.batch_size = self.batch_size

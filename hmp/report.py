@@ -1,4 +1,7 @@
-"""The run report: per-worker progress over time, final figures, JSON plus a PNG plot."""
+"""The run report: per-worker progress over time, final figures, JSON plus a PNG plot.
+
+docs/report.md describes every key of ``report.json`` (docs/report.schema.json: the same as a JSON
+Schema); :data:`SCHEMA_VERSION` is that page's version."""
 
 from __future__ import annotations
 
@@ -6,6 +9,10 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+#: the version of report.json's keys (docs/report.md): raised when a key is removed or renamed or its type or
+#: meaning changes, not when a key is added
+SCHEMA_VERSION = 1
 
 from hmp.plots import plot_report
 
@@ -84,7 +91,7 @@ class RunReport:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
+        return {"schema_version": SCHEMA_VERSION, "job": self.job, "config": self.config, "consistency": self.consistency, "policy": self.policy,
                 "final": self.final, "sharding": self.sharding, "pipeline": self.pipeline, "rings": self.rings,
                 "membership": self.membership, "work_redone": self.work_redone,
                 "shard_restarts": self.shard_restarts, "shard_failovers": self.shard_failovers,

@@ -16,6 +16,7 @@ from hmp.ps.optim import (
     scale_,
 )
 from hmp.flat import FlatLayout, chunk_views
+from hmp.ps.schedule import LRSchedule
 
 torch.set_num_threads(1)
 
@@ -50,12 +51,12 @@ def random_grads(m: nn.Module, gen: torch.Generator) -> list[torch.Tensor]:
 class ChunkedPS:
     """What a shard does: one chunk optimizer per chunk of the flat buffer, stepping in place."""
 
-    def __init__(self, m: nn.Module, name: str, hyper: dict, chunk_bytes: int = 100) -> None:
+    def __init__(self, m: nn.Module, name: str, hyper: dict, chunk_bytes: int = 100, **more) -> None:
         self.layout = FlatLayout.from_model(m, chunk_bytes=chunk_bytes)  # 25 elements: cuts across parameters
         self.flat = self.layout.bind(m)
         self.params = chunk_views(self.flat.params, self.layout.chunks)
         self.grads = chunk_views(self.flat.grads, self.layout.chunks)
-        self.opts = {c.key: make_chunk_optimizer(name, c.numel, **hyper) for c in self.layout.chunks}
+        self.opts = {c.key: make_chunk_optimizer(name, c.numel, **hyper, **more) for c in self.layout.chunks}
 
     def step(self, m: nn.Module, grads: list[torch.Tensor]) -> None:
         for p, g in zip(m.parameters(), grads, strict=True):
@@ -82,6 +83,53 @@ def test_chunked_optimizer_matches_torch_optim(name: str, hyper: dict) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     moved = sum((p - q).abs().sum() for p, q in zip(chunked.parameters(), model().parameters()))
     assert moved > 0.1  # the updates did something
+
+
+# Schedules against torch's: warm-up is LinearLR(1/W, 1, W-1), then StepLR or CosineAnnealingLR (SequentialLR);
+# the cosine within its total_steps (after them ours stays at min_lr, torch's climbs again).
+SCHEDULED = [(CASES[3], LRSchedule(kind="step", warmup_steps=3, step_size=2, gamma=0.5)),
+             (CASES[8], LRSchedule(kind="cosine", warmup_steps=2, total_steps=8, min_lr=0.001)),
+             (CASES[10], LRSchedule(kind="step", step_size=3, gamma=0.3)),
+             (CASES[7], LRSchedule(kind="constant", warmup_steps=4))]
+
+
+def torch_scheduler(opt: torch.optim.Optimizer, schedule: LRSchedule):
+    S = torch.optim.lr_scheduler
+    main = {"step": lambda: S.StepLR(opt, schedule.step_size, schedule.gamma),
+            "cosine": lambda: S.CosineAnnealingLR(opt, schedule.total_steps, schedule.min_lr),
+            "constant": lambda: S.ConstantLR(opt, 1.0, 0)}[schedule.kind]()
+    w = schedule.warmup_steps
+    if w < 2:  # W = 1 is a warm-up at the full rate: a constant start
+        assert w == 0
+        return main
+    return S.SequentialLR(opt, [S.LinearLR(opt, 1 / w, 1.0, w - 1), main], milestones=[w])
+
+
+@pytest.mark.parametrize(("case", "schedule"), SCHEDULED, ids=[f"{c[0]}-{s.kind}" for c, s in SCHEDULED])
+def test_scheduled_chunk_optimizer_matches_torch_optim_with_its_scheduler(case, schedule: LRSchedule) -> None:
+    """A chunk optimizer with a schedule, stepped over a flat buffer, equals torch.optim stepped with torch's
+    schedulers (the rate read by each update: lr of update s + 1 = schedule.lr(lr, s)), for SGD with momentum,
+    AdamW (the decoupled decay uses the scheduled rate) and Adagrad with lr_decay."""
+    name, hyper = case
+    reference, chunked = model(), model()
+    ref_opt = TORCH[name](reference.parameters(), **hyper)
+    ref_sched = torch_scheduler(ref_opt, schedule)
+    ps = ChunkedPS(chunked, name, hyper, schedule=schedule)
+    gen = torch.Generator().manual_seed(5)
+    for s in range(10):
+        grads = random_grads(reference, gen)
+        for p, g in zip(reference.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        ref_opt.step()
+        ps.step(chunked, grads)
+        assert all(o.last_lr == pytest.approx(ref_opt.param_groups[0]["lr"]) for o in ps.opts.values())
+        ref_sched.step()
+    for p, q in zip(chunked.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # Not the constant rate's result: the schedule changed something.
+    constant = model()
+    ChunkedPS(constant, name, hyper)
+    assert any(not torch.allclose(p, q) for p, q in zip(chunked.parameters(), constant.parameters()))
 
 
 @pytest.mark.parametrize(("name", "hyper"), [CASES[5], CASES[7], CASES[10]], ids=["sgd", "adam", "adagrad"])

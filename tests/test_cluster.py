@@ -204,7 +204,8 @@ async def test_checkpoint_then_resume_gives_the_same_parameters(tmp_path):
                 for key in ps.sharded.assignment[i]:
                     assert torch.equal(views[key], saved[sid]["params"][key])
             final = ps.evaluate()
-        assert final["test_accuracy"] == pytest.approx(report["final"]["test_accuracy"])
+        if report["final"]["parameters"] == "end":  # "at_stop": the job's result is model.pt, the values that met
+            assert final["test_accuracy"] == pytest.approx(report["final"]["test_accuracy"])  # the target
     finally:
         for p in procs:
             p.terminate()

@@ -62,9 +62,12 @@ from hmp.ema import ema
 from hmp.errors import HmpError, RequestError
 from hmp.messages import Ack, Kind, Message, Report, RingAssign
 from hmp.nodes.worker import WorkerNode
+from hmp.export import write_model
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
+from hmp.ps.schedule import lr_at
 from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate
+from hmp.train.stop_rule import target_reason
 from hmp.transport.shm import ShmSettings, open_process_arena
 
 #: Seconds a member told to stop (SIGTERM, the scheduler's shutdown) lets the step in flight finish,
@@ -205,7 +208,8 @@ class RingWorkerNode(WorkerNode):
         return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
                 "batch_size": float(self.batch_size), "busy_s": self.busy_s, "resyncs": float(self.resyncs),
                 "ring_generation": float(ring.generation if ring else 0),
-                "bytes_out": self.bytes_out + (ring.stats["bytes_sent"] if ring else 0.0)}
+                "bytes_out": self.bytes_out + (ring.stats["bytes_sent"] if ring else 0.0),
+                "lr": lr_at(max(0, self.step - 1), self.cfg.optimizer)}  # the last update's rate
 
     async def send_ring_report(self, done: bool = False) -> None:
         """Report progress; like :meth:`WorkerNode.send_report`, a progress report gives way to a stop and
@@ -358,6 +362,21 @@ class RingWorkerNode(WorkerNode):
         self.metrics["params_crc32"] = float(params_crc32(flat.params))
         if self.ring is not None and self.ring.rank == 0:
             self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
+            await self.export_model(model)
+
+    async def export_model(self, model: torch.nn.Module) -> None:
+        """Rank 0 writes the job's ``model.pt`` from the replica it has just evaluated (every member's is the
+        same); its final report says whether it did (``model_exported``). A failed write (a full disk) is
+        logged and reported, not a failure of the job."""
+        metrics = {k: self.metrics[k] for k in ("test_accuracy", "test_loss") if k in self.metrics}
+        detail = {"step": self.step, "ring_generation": self.ring.generation if self.ring else 0}
+        try:
+            await self.in_thread(lambda: write_model(self.cfg.report_dir, self.cfg, model, parameters="ring",
+                                                     metrics=metrics, detail=detail))
+            self.metrics["model_exported"] = 1.0
+        except Exception:
+            self.log.exception("model_export_failed")
+            self.metrics["model_exported"] = 0.0
 
     async def ring_tick(self, model: torch.nn.Module, data: Any) -> None:
         """After each step: evaluate (rank 0) and report to the scheduler when they are due."""
@@ -367,6 +386,10 @@ class RingWorkerNode(WorkerNode):
         if self.ring is not None and self.ring.rank == 0 and now >= self.next_eval:
             self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
             self.next_eval = now + self.cfg.train.eval_every_s
+            if target_reason(self.metrics, self.cfg.train):
+                # Stop with these parameters: this vote goes into the next step's control all-reduce and every
+                # member stops before that step's update, so the final evaluation (and model.pt) is this one's.
+                self.stop_requested = True
         elif self.ring is not None and self.ring.rank != 0:
             self.next_eval = float("inf")
         if now >= self.next_report:

@@ -5,8 +5,12 @@ turns the decision into the reply; the events the call produced are logged, forw
 placement loop (pipeline jobs) and set the shell's asyncio events (:meth:`_dispatch_events`).
 The monitor, a background task, ticks the core every tenth of a heartbeat interval (liveness, join
 deadline); the placement loop (pipeline jobs) is another. When every worker has finished, the
-shell evaluates the final parameters (pulled from the shards), writes the run report and lets
-every node hear ``shutdown`` through its heartbeat. A lost shard, or losing more workers than
+shell evaluates the final parameters (pulled from the shards), writes them as the job's model
+(``model.pt``, :mod:`hmp.export`), writes the run report and lets every node hear ``shutdown``
+through its heartbeat. A target stop rule of a PS job is confirmed on the shards' parameters
+first (:mod:`hmp.train.stop_rule`): the values that met it are the job's result, the report's
+``final`` and ``model.pt`` (``final.parameters = "at_stop"``; else ``"end"``, the values once every
+worker has finished). A lost shard, or losing more workers than
 ``[train] min_workers`` allows (see the core's rules), fails the job: every node is told to shut
 down and the scheduler exits non-zero. A worker that is gone while the job runs is dropped: every
 PS shard hears ``drop`` (:meth:`tell_shards_drop`) so that its sync rounds and SSP bounds stop
@@ -34,13 +38,14 @@ from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
 from hmp.errors import ConfigError, HmpError, RequestError
+from hmp.export import exportable, write_model
 from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Leave, Message, Replicas, Report,
                           RingAssign, Shards, Shutdown, StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import write_report
 from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, ReplicasChanged, RingFormed,
-                                SchedulerCore, ShardsChanged, ShardsReady, StopDecided, WorkerDropped, WorkersDone)
+                                SchedulerCore, ShardsChanged, ShardsReady, StopDecided, TargetReported, WorkerDropped, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
 from hmp.transport.endpoint import Client
 
@@ -63,8 +68,10 @@ class SchedulerNode(Node):
             "assignment": {str(i): list(keys) for i, keys in sharded.assignment.items()},
             "parameters": [[p.name, p.dtype, p.offset, p.numel, list(p.shape)] for p in sharded.layout.slots]}
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
-        self.dataset = job.dataset(cfg)
-        self.core = SchedulerCore(cfg, n_train=len(self.dataset.y_train), sharding=sharding)
+        # Only what it evaluates: the test set (a pipeline's planner also profiles a batch of training rows).
+        self.dataset = job.dataset(cfg, "all" if cfg.placement.enabled else "test")
+        self.core = SchedulerCore(cfg, n_train=self.dataset.n_train, sharding=sharding,
+                                  confirm_targets=bool(cfg.shards) and not cfg.sweep.members)
         #: where the state a resumed scheduler continues from is saved (next to the shards' checkpoints)
         self.state_path = job.checkpoint_dir(cfg) / "scheduler.json"
         if resume:
@@ -75,6 +82,12 @@ class SchedulerNode(Node):
         if self.core.admitting:
             self.admitting.set()
         self.workers_done = asyncio.Event()
+        # One evaluation of the shards' parameters at a time (a target's confirmation, the final one); the
+        # client of the last (its model holds the values evaluated: what model.pt is written from), and the
+        # confirmed target's evaluation, which is then the job's result.
+        self.evaluating = asyncio.Lock()
+        self.evaluated: PSClient | None = None
+        self.result: dict[str, Any] | None = None
         self.job_failed = asyncio.Event()
         # [placement] jobs: the loop that plans the pipeline and re-plans when workers come and go.
         self.placement: PlacementLoop | None = (PlacementLoop(cfg, self.dataset, self.core, self.tell_worker, self.log)
@@ -160,6 +173,8 @@ class SchedulerNode(Node):
                 self.workers_done.set()
             elif isinstance(ev, StopDecided):
                 self.log.info("stopping_workers", reason=ev.reason, elapsed_s=round(ev.elapsed_s, 2))
+            elif isinstance(ev, TargetReported):
+                self._spawn_quietly(self.confirm_target(ev.candidate), name="confirm-target")
             elif isinstance(ev, JobFailed):
                 self.log.error("job_failed", reason=ev.reason)
                 self.job_failed.set()
@@ -434,14 +449,54 @@ class SchedulerNode(Node):
         self.core.end()
         await self.drain()
 
+    async def confirm_target(self, candidate: str) -> None:
+        """A worker reported a target reached on its replica: evaluate the parameters the shards hold now.
+        If they meet the target the job stops, and these values are its result (``final``, ``model.pt``)."""
+        async with self.evaluating:
+            if self.core.stop_reason or self.core.failed:  # stopping anyway: the end's parameters are the result
+                return
+            metrics = await self.evaluate_shards()
+            try:
+                reason = self.core.target_judged(candidate, metrics, time.monotonic())
+            finally:
+                self._dispatch_events()
+            if reason:
+                self.result = {**metrics, "parameters": "at_stop"}
+            else:
+                self.log.info("target_unconfirmed", candidate=candidate,
+                              **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str))})
+
+    async def export(self, final: dict[str, Any]) -> dict[str, Any]:
+        """Write ``model.pt`` from the parameters ``final`` evaluated (:attr:`evaluated`); returns the report's
+        ``model`` (the path written, or None with ``model_error`` saying why)."""
+        why = exportable(self.cfg) or final.get("error") or ("" if self.evaluated is not None else "no evaluation")
+        if why:
+            return {"model": None, "model_error": why}
+        client = self.evaluated
+        try:
+            metrics = {k: final[k] for k in ("test_accuracy", "test_loss") if k in final}
+            path = await self.in_thread(lambda: write_model(
+                self.cfg.report_dir, self.cfg, client.model, parameters=final["parameters"], metrics=metrics,
+                detail={"shard_versions": dict(client.shard_versions)}))
+        except Exception as exc:  # a full disk fails the export, not the job: the report says so
+            self.log.exception("model_export_failed")
+            return {"model": None, "model_error": f"{exc.__class__.__name__}: {exc}"}
+        self.log.info("model_exported", path=str(path), parameters=final["parameters"])
+        return {"model": str(path)}
+
     async def finish(self) -> None:
-        """Evaluate the final parameters, write the report."""
+        """Evaluate the final parameters (or take the confirmed target's), export them, write the report."""
         if self.cfg.shards:
-            final = await self.evaluate_shards()
+            async with self.evaluating:
+                final = self.result or {**await self.evaluate_shards(), "parameters": "end"}
+                final.update(await self.export(final))
         else:
             # allreduce: no PS holds the parameters; every replica is the same, and the ring's rank 0
-            # evaluated its own at the end, in its final report.
-            final = self.core.final_from_reports()
+            # evaluated its own at the end, in its final report, and wrote model.pt from it.
+            final = {**self.core.final_from_reports(), "parameters": "ring"}
+            written = any(d["final"].get("model_exported") for d in self.core.run_report.workers.values())
+            final.update({"model": str(self.cfg.report_dir / "model.pt")} if written else
+                         {"model": None, "model_error": exportable(self.cfg) or "rank 0 wrote no model.pt"})
         if self.placement is not None:
             self.core.run_report.pipeline = self.placement.report()
         report = self.core.finish_report(final, time.monotonic())
@@ -450,7 +505,9 @@ class SchedulerNode(Node):
                       report=str(paths[0]))
 
     async def evaluate_shards(self) -> dict[str, Any]:
-        """The test metrics of the parameters the shards hold now."""
+        """The test metrics of the parameters the shards hold now; the client that pulled them is kept
+        (:attr:`evaluated`: its model holds the values evaluated). Call it holding :attr:`evaluating`."""
+        self.evaluated = None
         try:
             shards = [(s, address) for s, address in self.core.shard_addresses()]
             # Building the model and the report's plot are slow: on the compute thread, so that the
@@ -458,7 +515,9 @@ class SchedulerNode(Node):
             client = await self.in_thread(lambda: PSClient.from_config(self.cfg, shards, name=self.id))
             async with client as ps:
                 await ps.pull()
-                return await self.in_thread(ps.evaluate, self.dataset)
+                metrics = await self.in_thread(ps.evaluate, self.dataset)
+            self.evaluated = client
+            return metrics
         except Exception as exc:
             self.log.exception("final_evaluation_failed")
             return {"error": f"{exc.__class__.__name__}: {exc}"}

@@ -16,6 +16,13 @@ Each chunk is a single tensor, so there is nothing for torch's ``_foreach_*`` op
 batch over here; a shard that wants one kernel launch for many chunks should place them
 in one contiguous region and run one optimizer over that region.
 
+Learning-rate schedules (``[optimizer] schedule``, :mod:`hmp.ps.schedule`): an optimizer built
+with a ``schedule`` takes each update's rate from it by its own update count (the rate of update
+``s + 1`` is ``schedule.lr(lr, s)``). A shard's workers push every chunk of the shard at each update
+and a ring steps each flat buffer once per step, so the count is the shard's applied-update count
+(the ring's step), kept in checkpoints and resyncs with the rest of the state. docs/optimizers.md
+has the update rules as applied here and the schedules' formulas.
+
 Also here: :func:`accumulate` and :func:`scale_`, the sync-mode gradient aggregation.
 """
 
@@ -30,6 +37,7 @@ import torch
 from torch import Tensor
 
 from hmp.config import Config
+from hmp.ps.schedule import LRSchedule
 
 
 def accumulate(dst: Tensor, src: Tensor, first: bool) -> None:
@@ -51,13 +59,17 @@ class ChunkOptimizer:
     """Base class: state for one 1-D chunk of ``numel`` elements of ``dtype`` on ``device``.
 
     Subclasses define ``name``, ``_state_names`` and ``_update``. ``step`` counts updates
-    the way torch.optim's ``state['step']`` does.
+    the way torch.optim's ``state['step']`` does. ``schedule``: the learning rate over those
+    updates (None: constant); ``last_lr`` is the rate of the last update (the base rate before any).
     """
 
     name: str = ""
     _state_names: tuple[str, ...] = ()
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+    lr: float
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | str | None,
+                 schedule: LRSchedule | None = None) -> None:
         if not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         if not dtype.is_floating_point:
@@ -65,6 +77,15 @@ class ChunkOptimizer:
         # Resolve "cuda" to "cuda:0" so that step's device check compares like with like.
         self.numel, self.dtype, self.device = numel, dtype, torch.empty(0, device=device).device
         self.steps = 0
+        if schedule is not None and not isinstance(schedule, LRSchedule):
+            raise ValueError(f"schedule must be an hmp.ps.schedule.LRSchedule or None, got {schedule!r}")
+        self.schedule = schedule
+        self._lr = math.nan  # this update's rate, set by step() before _update (subclasses set lr first)
+
+    @property
+    def last_lr(self) -> float:
+        """The rate of the last update (the base rate ``lr`` before the first)."""
+        return self.lr if math.isnan(self._lr) else self._lr
 
     def _zeros(self) -> Tensor:
         return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
@@ -78,6 +99,7 @@ class ChunkOptimizer:
                     f"expected {self.dtype}[{self.numel}] on {self.device}"
                 )
         self.steps += 1
+        self._lr = self.lr if self.schedule is None else self.schedule.lr(self.lr, self.steps - 1)
         with torch.no_grad():
             self._update(param, grad)
 
@@ -128,8 +150,9 @@ class ChunkSGD(ChunkOptimizer):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        schedule: LRSchedule | None = None,
     ) -> None:
-        super().__init__(numel, dtype, device)
+        super().__init__(numel, dtype, device, schedule)
         _check_nonneg(lr=lr, momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening == 0 (as in torch.optim.SGD)")
@@ -156,7 +179,7 @@ class ChunkSGD(ChunkOptimizer):
                 d_p = torch.add(d_p, buf, alpha=self.momentum, out=self._scratch)  # d_p may alias scratch: elementwise, safe
             else:
                 d_p = buf
-        param.add_(d_p, alpha=-self.lr)
+        param.add_(d_p, alpha=-self._lr)
 
 
 class ChunkAdam(ChunkOptimizer):
@@ -176,8 +199,9 @@ class ChunkAdam(ChunkOptimizer):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        schedule: LRSchedule | None = None,
     ) -> None:
-        super().__init__(numel, dtype, device)
+        super().__init__(numel, dtype, device, schedule)
         b1, b2 = betas
         _check_nonneg(lr=lr, eps=eps, weight_decay=weight_decay)
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
@@ -192,12 +216,12 @@ class ChunkAdam(ChunkOptimizer):
         b1, b2 = self.betas
         if self.weight_decay:
             if self.decoupled_weight_decay:
-                param.mul_(1 - self.lr * self.weight_decay)
+                param.mul_(1 - self._lr * self.weight_decay)
             else:
                 grad = torch.add(grad, param, alpha=self.weight_decay, out=self._scratch)
         self.exp_avg.lerp_(grad, 1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        step_size = self.lr / (1 - b1**self.steps)
+        step_size = self._lr / (1 - b1**self.steps)
         bc2_sqrt = (1 - b2**self.steps) ** 0.5
         # grad is no longer needed, so the scratch it may occupy can take the denominator.
         denom = torch.sqrt(self.exp_avg_sq, out=self._scratch).div_(bc2_sqrt).add_(self.eps)
@@ -221,8 +245,9 @@ class ChunkAdagrad(ChunkOptimizer):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        schedule: LRSchedule | None = None,
     ) -> None:
-        super().__init__(numel, dtype, device)
+        super().__init__(numel, dtype, device, schedule)
         _check_nonneg(
             lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=initial_accumulator_value, lr_decay=lr_decay
         )
@@ -235,7 +260,7 @@ class ChunkAdagrad(ChunkOptimizer):
     def _update(self, param: Tensor, grad: Tensor) -> None:
         if self.weight_decay:
             grad = torch.add(grad, param, alpha=self.weight_decay, out=self._scratch)
-        clr = self.lr / (1 + (self.steps - 1) * self.lr_decay)
+        clr = self._lr / (1 + (self.steps - 1) * self.lr_decay)
         self.sum.addcmul_(grad, grad, value=1)
         std = torch.sqrt(self.sum, out=self._std).add_(self.eps)
         param.addcdiv_(grad, std, value=-clr)
@@ -266,7 +291,8 @@ def make_chunk_optimizer(
 ) -> ChunkOptimizer:
     """Build the optimizer ``name`` ("sgd", "adam", "adagrad") for a chunk of ``numel`` elements.
 
-    ``hyper`` are the torch.optim keyword names (``lr``, ``momentum``, ``betas``, ...);
+    ``hyper`` are the torch.optim keyword names (``lr``, ``momentum``, ``betas``, ...), plus
+    ``schedule`` (an :class:`~hmp.ps.schedule.LRSchedule`, or a mapping of its fields);
     unknown names or hyper-parameters raise ``ValueError`` listing the accepted ones.
     """
     cls = OPTIMIZERS.get(name)
@@ -279,15 +305,26 @@ def make_chunk_optimizer(
         raise ValueError("'sgd' needs an explicit lr")
     if "betas" in hyper:
         hyper["betas"] = tuple(hyper["betas"])  # TOML/msgpack give lists
+    if isinstance(hyper.get("schedule"), Mapping):
+        try:
+            hyper["schedule"] = LRSchedule(**hyper["schedule"])
+        except TypeError as exc:
+            raise ValueError(f"schedule: {exc}") from None
     return cls(numel, dtype=dtype, device=device, **hyper)
 
 
 def chunk_optimizer_of(cfg: Config) -> tuple[str, dict[str, Any]]:
-    """The shards' chunk optimizer. A sweep job's workers run the fused per-member optimizer
-    themselves and push parameter deltas, which the shards apply as plain SGD at lr 1."""
+    """The shards' chunk optimizer (the ring's too), with ``[optimizer] schedule`` unless it is a
+    constant rate. A sweep job's workers run the fused per-member optimizer themselves and push
+    parameter deltas, which the shards apply as plain SGD at lr 1 (no schedule: a sweep's rates
+    are its members', ``[sweep]``)."""
     if cfg.sweep.members:
         return "sgd", {"lr": 1.0}
-    return cfg.optimizer.name, _hyper(cfg)
+    hyper = _hyper(cfg)
+    schedule = LRSchedule.of(cfg.optimizer)
+    if not schedule.constant:
+        hyper["schedule"] = schedule
+    return cfg.optimizer.name, hyper
 
 
 def _hyper(cfg: Config) -> dict[str, Any]:

@@ -16,6 +16,7 @@ Events in (methods), decisions out (return values):
 * ``report(sender, metrics, done, now)`` -> :class:`Assignment` (batch size, data share, stop).
 * ``work(sender, count, now)`` -> :class:`WorkRange`: the next examples of the current epoch,
   first come first served (count 0: the epochs are used up, or the job is stopping).
+* ``target_judged(candidate, metrics, now)`` -> the stop reason, or "" (after :class:`TargetReported`).
 * ``leave(sender, reason, now)``; ``tick(now)`` (the liveness and join-deadline rules, called
   every tenth of a heartbeat interval); ``request_stop(reason, now)`` (an outside stop rule, e.g. the
   pipeline's epochs are done); ``fail(reason)``; ``interrupt()``; ``end()``.
@@ -23,7 +24,7 @@ Events in (methods), decisions out (return values):
 Events out (:meth:`SchedulerCore.take_events`): :class:`MemberChanged` (every state change;
 ``roster`` marks the changes to the set of workers available for work, which the placement loop
 re-plans on), :class:`ShardsReady`, :class:`ShardsChanged`, :class:`RingFormed`, :class:`WorkerDropped`,
-:class:`WorkersDone`, :class:`StopDecided`, :class:`JobFailed`.
+:class:`WorkersDone`, :class:`StopDecided`, :class:`TargetReported`, :class:`JobFailed`.
 
 Membership (:mod:`hmp.scheduler.membership`) is a state machine: EXPECTED -> (JOINING ->) LIVE;
 LIVE -> SUSPECT after 2 silent heartbeat intervals, back to LIVE when heard from; LIVE, SUSPECT or
@@ -68,7 +69,11 @@ previous part's (``time_offset``). ``max_seconds`` counts this part's time.
 
 Stop rules, judged on each progress report: ``[train] target_accuracy`` (the best reported test
 accuracy), ``target_loss`` (the best reported test loss), ``max_seconds`` (since the first worker
-was admitted). Once a stop reason is set every reply tells the workers to stop. When every worker
+was admitted). Once a stop reason is set every reply tells the workers to stop. With
+``confirm_targets`` (PS jobs; :mod:`hmp.train.stop_rule`) a target reached on a worker's replica is
+only a candidate: :class:`TargetReported` asks the shell to evaluate the parameters it pulls from
+the shards, and :meth:`SchedulerCore.target_judged` stops the job only if those meet the target
+(they are then the job's result: ``final`` and ``model.pt``). When every worker
 is DONE or LEFT (or LOST, in a pipeline job) the core emits :class:`WorkersDone`.
 """
 
@@ -83,6 +88,7 @@ from hmp.config import Config, Consistency, Role
 from hmp.errors import RequestError
 from hmp.ps.sharding import initial_replicas, next_backup
 from hmp.report import RunReport
+from hmp.train.stop_rule import TargetConfirmation, target_reason
 from hmp.scheduler.membership import (CONNECTED, LOST_AFTER, NOT_JOINED, SUSPECT_AFTER, UP, Change, Member,
                                       MemberState, Membership)
 
@@ -207,13 +213,22 @@ class StopDecided:
 
 
 @dataclasses.dataclass(frozen=True)
+class TargetReported:
+    """(``confirm_targets``) A worker reported a target reached on its replica (``candidate``, the would-be
+    stop reason): the shell evaluates the parameters the shards hold and calls ``target_judged``."""
+
+    candidate: str
+
+
+@dataclasses.dataclass(frozen=True)
 class JobFailed:
     """The job cannot go on (a node lost or missing, a worker failed, placement failed)."""
 
     reason: str
 
 
-Event = MemberChanged | ShardsReady | ShardsChanged | ReplicasChanged | RingFormed | WorkerDropped | WorkersDone | StopDecided | JobFailed
+Event = (MemberChanged | ShardsReady | ShardsChanged | ReplicasChanged | RingFormed
+         | WorkerDropped | WorkersDone | StopDecided | TargetReported | JobFailed)
 
 
 class SchedulerCore:
@@ -221,10 +236,12 @@ class SchedulerCore:
     ``policy``: the batch policy (default: built from ``[train] policy``); ``sharding``: the chunk
     placement for the report; ``tolerate_worker_loss`` (default True): a lost or failed worker is
     dropped and the job goes on while ``[train] min_workers`` remain (False: the first lost or
-    failed worker fails the job)."""
+    failed worker fails the job); ``confirm_targets`` (default False): a target stop rule waits for
+    the shell's evaluation of the parameters that will be the result (module docstring)."""
 
     def __init__(self, cfg: Config, n_train: int, policy: PolicyAdapter | None = None, *,
-                 sharding: dict[str, Any] | None = None, tolerate_worker_loss: bool | None = None) -> None:
+                 sharding: dict[str, Any] | None = None, tolerate_worker_loss: bool | None = None,
+                 confirm_targets: bool = False) -> None:
         self.cfg = cfg
         self.n_train = n_train
         self.interval = cfg.job.heartbeat_interval_s
@@ -256,6 +273,8 @@ class SchedulerCore:
         self.run_report.sharding = dict(sharding or {})
         self.best_accuracy = 0.0
         self.best_test_loss = float("inf")
+        self.confirm_targets = confirm_targets
+        self.confirmation = TargetConfirmation(retry_after_s=cfg.train.eval_every_s)
         self.t0: float | None = None  # the first worker's admission: the run's clock starts
         self.join_deadline: float | None = None  # set by start()
         self.stop_reason = ""
@@ -586,6 +605,15 @@ class SchedulerCore:
             self.stop_reason = reason
             self._events.append(StopDecided(reason, self.elapsed(now)))
 
+    def target_judged(self, candidate: str, metrics: dict[str, Any], now: float) -> str:
+        """The shell's evaluation (``metrics``) of the parameters pulled after :class:`TargetReported`
+        ``candidate``: stop when they meet the target (returns the reason, "" when they do not; the
+        next candidate is then taken ``eval_every_s`` later at the soonest)."""
+        reason = self.confirmation.judged(candidate, metrics, self.cfg.train, now, self.elapsed(now))
+        if reason and not self.stop_reason:
+            self.request_stop(f"{reason} on the PS parameters", now)
+        return reason
+
     def interrupt(self) -> None:
         """The scheduler was stopped (signal, shutdown request) before the job finished."""
         self.stop_reason = "scheduler stopped before the job finished"
@@ -749,11 +777,15 @@ class SchedulerCore:
             return Assignment(batch_size=0, stop=True)
         if not self.stop_reason:
             tc = self.cfg.train
-            if tc.target_accuracy and self.best_accuracy >= tc.target_accuracy:
-                self.request_stop(f"target accuracy {tc.target_accuracy} reached ({self.best_accuracy:.4f})", now)
-            elif tc.target_loss and self.best_test_loss <= tc.target_loss:
-                self.request_stop(f"target test loss {tc.target_loss} reached ({self.best_test_loss:.4f})", now)
-            elif t > tc.max_seconds:
+            # With confirm_targets, judged on this report's own evaluation (the best so far would be offered
+            # again at every report); else on the best reported, as the workers' replicas saw it.
+            target = (target_reason(metrics, tc) if self.confirm_targets else
+                      target_reason({"test_accuracy": self.best_accuracy, "test_loss": self.best_test_loss}, tc))
+            if target and not self.confirm_targets:
+                self.request_stop(target, now)
+            elif target and self.confirmation.offer(now):
+                self._events.append(TargetReported(target))
+            if not self.stop_reason and t > tc.max_seconds:
                 self.request_stop(f"time limit of {tc.max_seconds} s reached", now)
         batch, share = self.policy.update(m.id, metrics, t)
         return Assignment(batch_size=batch, data_share=share, stop=self.stopping)
@@ -858,4 +890,7 @@ class SchedulerCore:
         self.run_report.final = {**final, "elapsed_s": self.run_time(now),
                                  "stop_reason": self.stop_reason or "epochs done",
                                  "best_reported_accuracy": self.best_accuracy}
+        if self.confirm_targets:
+            self.run_report.final["targets_unconfirmed"] = self.confirmation.rejections
+            self.run_report.final["unconfirmed"] = list(self.confirmation.rejected)
         return self.run_report

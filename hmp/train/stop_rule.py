@@ -1,0 +1,71 @@
+"""Target stop rules judged on the parameters a job hands back (pure; docs/report.md, ``final``).
+
+A worker's test evaluation during training is of its own replica, a mix of shard values of several
+moments; updates in flight after the stop move the PS parameters on. So a target reached on a
+replica does not by itself end a PS job: it is a *candidate*, and the scheduler evaluates the
+parameters it pulls from the shards. Only when those meet the target does the job stop, and those
+pulled values are the job's result (``final``, ``model.pt``): the stop and the final evaluation
+are the same evaluation of the same values. An allreduce job's rank 0 judges its own evaluation
+(every replica is the same) and the ring stops before the next update, with those parameters.
+
+:func:`target_reason` says whether metrics meet ``[train] target_accuracy`` / ``target_loss``;
+:class:`TargetConfirmation` keeps one confirmation at a time and spaces out the next after a
+rejection (``eval_every_s``), since a worker repeats its last evaluation in every report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+
+class _Targets(Protocol):
+    """What :func:`target_reason` reads: ``[train]``'s targets (0: none)."""
+
+    target_accuracy: float
+    target_loss: float
+
+
+def target_reason(metrics: Mapping[str, Any], train: _Targets) -> str:
+    """The stop reason when ``metrics`` (``test_accuracy``, ``test_loss``) meet a target of ``train``, else ""."""
+    acc, loss = metrics.get("test_accuracy"), metrics.get("test_loss")
+    if train.target_accuracy and isinstance(acc, (int, float)) and acc >= train.target_accuracy:
+        return f"target accuracy {train.target_accuracy} reached ({acc:.4f})"
+    if train.target_loss and isinstance(loss, (int, float)) and loss <= train.target_loss:
+        return f"target test loss {train.target_loss} reached ({loss:.4f})"
+    return ""
+
+
+@dataclasses.dataclass
+class TargetConfirmation:
+    """Candidates (a worker reported a target reached) and their confirmations (the evaluation of the
+    parameters that would be the result). ``retry_after_s``: after a rejection, the next candidate is
+    taken no sooner (a worker's reports repeat its last evaluation until its next one)."""
+
+    retry_after_s: float
+    in_flight: bool = False
+    next_at: float = float("-inf")
+    #: candidates whose parameters did not meet the target: ``{t, candidate, metrics}``, the last 20
+    rejected: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    rejections: int = 0
+
+    def offer(self, now: float) -> bool:
+        """A candidate at ``now``: True when it should be confirmed now (none in flight, not too soon)."""
+        if self.in_flight or now < self.next_at:
+            return False
+        self.in_flight = True
+        return True
+
+    def judged(self, candidate: str, metrics: Mapping[str, Any], train: _Targets, now: float, t: float) -> str:
+        """The confirmation's evaluation ``metrics``: the stop reason when they meet the target ("" when not:
+        the rejection is recorded and the next candidate waits ``retry_after_s``). ``t``: the run's clock."""
+        self.in_flight = False
+        reason = target_reason(metrics, train)
+        if not reason:
+            self.rejections += 1
+            self.next_at = now + self.retry_after_s
+            self.rejected.append({"t": round(t, 4), "candidate": candidate,
+                                  **{k: metrics[k] for k in ("test_accuracy", "test_loss", "error") if k in metrics}})
+            del self.rejected[:-20]
+        return reason

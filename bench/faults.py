@@ -218,16 +218,20 @@ def back_at(name: str, target: str, log_dir: Path, kill_wall: float, detect_wall
 
 
 def final_versions(log_dir: Path, shards: list[str]) -> dict[str, int]:
-    """Each shard's version in its last checkpoint written (the one at shutdown), from its last process's log."""
-    out = {}
+    """Each chunk group's version in its last checkpoint written (the one at shutdown). A group's checkpoint
+    is ``<group>.pt``, written by whichever shard serves it last: its own shard, or with ``[ps] replicas = 2``
+    the backup promoted when it was lost, so every shard's logs are read and the latest write per file wins."""
+    latest: dict[str, tuple[float, int]] = {}
     for s in shards:
-        logs = [p for p in node_logs(log_dir, s) if p.exists()]
-        if not logs:
-            continue
-        evs = [ev for ev in log_events(logs[-1]) if ev.get("event") == "checkpoint_written"]
-        if evs and "version" in evs[-1]:
-            out[s] = int(evs[-1]["version"])
-    return out
+        for log in node_logs(log_dir, s):
+            if not log.exists():
+                continue
+            for ev in log_events(log):
+                if ev.get("event") == "checkpoint_written" and "version" in ev and ev.get("path"):
+                    group = Path(str(ev["path"])).stem
+                    if group in shards and ev["_t"] >= latest.get(group, (-1.0, 0))[0]:
+                        latest[group] = (ev["_t"], int(ev["version"]))
+    return {g: v for g, (_, v) in latest.items()}
 
 
 def ring_figures(log_dir: Path, survivors: list[str], kill_wall: float) -> tuple[int, int]:

@@ -203,7 +203,8 @@ async def test_a_pipeline_job_reports_its_calibrated_prediction(tmp_path):
 
     from .test_pipeline import pipeline_config
 
-    async with LocalCluster(pipeline_config(tmp_path)) as cluster:
+    # long enough that a quiet machine still runs a plan past the calibration minimum (8 steps, 1 s)
+    async with LocalCluster(pipeline_config(tmp_path, epochs=8)) as cluster:
         report = await cluster.train(timeout_s=90)
     pipe = report["pipeline"]
     assert all(set(lay["micro_batch_ms"]) == {"cpu", "accel"} for lay in pipe["profile"])

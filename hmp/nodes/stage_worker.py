@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -57,10 +56,11 @@ import torch
 from hmp.client import PSClient
 from hmp.train.evaluate import evaluate
 from hmp.config import Config
-from hmp.errors import HmpError, RemoteError, RequestError, TransportError
+from hmp.errors import HmpError
 from hmp import job
-from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Report, Shards, StageAssign
+from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Report, StageAssign
 from hmp.nodes.base import Node
+from hmp.nodes.shard_follower import ShardFollower
 from hmp.pipeline.chunks import stage_chunk_keys
 from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
 from hmp.pipeline.stage import StageCompute
@@ -136,7 +136,7 @@ class StagePSClient(PSClient):
             grads[k].zero_()
 
 
-class StageWorkerNode(Node):
+class StageWorkerNode(ShardFollower, Node):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
         # Unbounded as a queue: assignments, stop wake-ups and replayed held messages go in at once. The data
@@ -169,11 +169,7 @@ class StageWorkerNode(Node):
         # Resolved when a plan newer than the one running arrives (a send to a neighbour gives way to it).
         self._new_plan: asyncio.Future | None = None
         self.newest_plan = -1
-        # The PS shards as the scheduler last said (``shards`` messages), as in hmp.nodes.worker.
-        self.shard_epoch = 0
-        self.shard_addresses: dict[str, str] = {}
-        self.shards_down: set[str] = set()
-        self._shards_changed: asyncio.Future | None = None
+        self.init_shard_view()  # the PS shards as the scheduler last said (hmp.nodes.shard_follower)
         self.push_seq = time.time_ns() // 1000  # new to every shard after a restart of this worker
         self.push_retries = 0
 
@@ -191,32 +187,6 @@ class StageWorkerNode(Node):
             if self._new_plan is not None and not self._new_plan.done():
                 self._new_plan.set_result(msg.plan)
         return Ack(detail=f"plan {msg.plan}")
-
-    async def on_shards(self, msg: Shards, peer: bytes) -> Message:
-        """The scheduler: a shard went down or came back (as :meth:`hmp.nodes.worker.WorkerNode.on_shards`)."""
-        scheduler = self.cfg.scheduler.id
-        if msg.sender != scheduler:
-            raise RequestError(f"shards from {msg.sender!r}: only the scheduler ({scheduler!r}) may send it",
-                               "unauthorized")
-        if msg.epoch <= self.shard_epoch:
-            return Ack(detail=f"change {msg.epoch} is older than {self.shard_epoch}")
-        self._learn_shards(msg.epoch, msg.shards, msg.down)
-        self.log.warning("shards_changed", epoch=msg.epoch, down=sorted(self.shards_down))
-        if self._shards_changed is not None and not self._shards_changed.done():
-            self._shards_changed.set_result(msg.epoch)
-        ps = getattr(self, "ps", None)
-        versions = dict(getattr(ps, "shard_versions", {}) or {})
-        return Ack(detail=json.dumps({"versions": versions}))
-
-    def _learn_shards(self, epoch: int, shards: Any, down: Any) -> None:
-        self.shard_epoch = epoch
-        self.shard_addresses.update({str(sid): str(addr) for sid, addr in shards})
-        self.shards_down = set(down)
-
-    def _next_shard_change(self) -> asyncio.Future:
-        if self._shards_changed is None or self._shards_changed.done():
-            self._shards_changed = asyncio.get_running_loop().create_future()
-        return self._shards_changed
 
     async def on_data(self, msg: Message, peer: bytes) -> None:
         """Activations or gradients (one-way: no reply), queued for the engine; waits while the queue is full."""
@@ -245,9 +215,7 @@ class StageWorkerNode(Node):
         if welcome is None:
             return
         shards = [tuple(s) for s in welcome.info["shards"]]
-        if int(welcome.info.get("shard_epoch", 0)) > self.shard_epoch:  # no shards message since: the welcome's view
-            self._learn_shards(int(welcome.info["shard_epoch"]), welcome.info["shards"],
-                               welcome.info.get("shards_down", ()))
+        self.learn_welcome_shards(welcome.info)
         self.ps = StagePSClient(self.sharded, shards, name=self.id, cfg=self.cfg,
                                 timeout_s=self.cfg.limits.request_timeout_s)
         await self.ps.connect()
@@ -310,39 +278,9 @@ class StageWorkerNode(Node):
         raise Stopped()
 
     async def with_shards(self, request: Callable[[], Any], what: str, client: PSClient | None = None) -> Any:
-        """``await request()`` (a pull or push of ``client``, default the stage's) and return its result.
-        While a shard is down it waits; when a shard goes down or comes back with the request in flight,
-        the request is abandoned and sent again, to the new addresses (as hmp.nodes.worker.WorkerNode.
-        with_shards; the caller makes it give way to a stop)."""
-        client = self.ps if client is None else client
-        while True:
-            while self.shards_down:  # until the scheduler says it is back (or the job fails and stops us)
-                await asyncio.wait({self._next_shard_change()})
-            for sid, address in client.shard_addresses:
-                new = self.shard_addresses.get(sid, address)
-                if new != address:
-                    self.log.info("shard_moved", shard=sid, old=address, new=new)
-                    await client.readdress(sid, new)
-            epoch, changed = self.shard_epoch, self._next_shard_change()
-            task = asyncio.ensure_future(request())
-            try:
-                await asyncio.wait({task, changed}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise
-            if task.done():
-                try:
-                    return task.result()
-                except (RemoteError, TransportError) as exc:
-                    if epoch == self.shard_epoch and not self.shards_down:
-                        raise
-                    self.log.info(f"{what}_failed_during_shard_change", error=str(exc))
-            else:  # the shards changed first: abandon this try
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            self.push_retries += 1
-            self.log.info(f"{what}_retry", epoch=self.shard_epoch, down=sorted(self.shards_down))
+        """:meth:`~hmp.nodes.shard_follower.ShardFollower.follow_shards` for ``client`` (default the stage's);
+        the caller makes it give way to a stop."""
+        return await self.follow_shards(self.ps if client is None else client, request, what)
 
     def abandon_pushes(self) -> None:
         """Stopped with pushes unanswered (a frozen or dead shard): give them up."""

@@ -33,7 +33,6 @@ cursor, which goes on by itself).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -48,9 +47,10 @@ from hmp.config import BatchPolicyKind, Config, Role
 from hmp.data import ShuffledBatches
 from hmp.ema import ema
 from hmp import job
-from hmp.errors import HmpError, RemoteError, RequestError, TransportError
-from hmp.messages import Ack, Assign, Kind, Message, Report, Shards, Work
+from hmp.errors import HmpError, RemoteError
+from hmp.messages import Assign, Kind, Report, Work
 from hmp.nodes.base import Node
+from hmp.nodes.shard_follower import ShardFollower
 from hmp.ps.schedule import lr_at
 
 
@@ -63,7 +63,7 @@ def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
     return torch.device(name)
 
 
-class WorkerNode(Node):
+class WorkerNode(ShardFollower, Node):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
         self.device = resolve_device(self.node.role, self.node.device, node_id)
@@ -75,12 +75,7 @@ class WorkerNode(Node):
         self.busy_s = 0.0
         self.t_train0 = 0.0
         self._stop_waiter: asyncio.Future | None = None  # one task for every race against `stopping`
-        # The PS shards as the scheduler last said (``shards`` messages): addresses, which are down,
-        # and a future resolved at the next change (what a push in flight races against).
-        self.shard_epoch = 0
-        self.shard_addresses: dict[str, str] = {}
-        self.shards_down: set[str] = set()
-        self._shards_changed: asyncio.Future | None = None
+        self.init_shard_view()  # the PS shards as the scheduler last said (hmp.nodes.shard_follower)
         self.push_seq = time.time_ns() // 1000  # see the module docstring: new to every shard after a restart
         self.push_retries = 0
         self.ps: PSClient | None = None  # once admitted
@@ -89,34 +84,6 @@ class WorkerNode(Node):
 
     def handlers(self):
         return {**super().handlers(), Kind.SHARDS: self.on_shards}
-
-    async def on_shards(self, msg: Shards, peer: bytes) -> Message:
-        """The scheduler: a shard went down or came back. Only the scheduler may say so; an older
-        change arriving after a newer one is ignored."""
-        scheduler = self.cfg.scheduler.id
-        if msg.sender != scheduler:
-            raise RequestError(f"shards from {msg.sender!r}: only the scheduler ({scheduler!r}) may send it",
-                               "unauthorized")
-        if msg.epoch <= self.shard_epoch:
-            return Ack(detail=f"change {msg.epoch} is older than {self.shard_epoch}")
-        self._learn_shards(msg.epoch, msg.shards, msg.down)
-        self.log.warning("shards_changed", epoch=msg.epoch, down=sorted(self.shards_down))
-        if self._shards_changed is not None and not self._shards_changed.done():
-            self._shards_changed.set_result(msg.epoch)
-        # The version of the last reply from each shard: how far a shard that died had got (the report's
-        # updates lost are counted from it).
-        versions = dict(getattr(self.ps, "shard_versions", {}) or {})
-        return Ack(detail=json.dumps({"versions": versions}))
-
-    def _learn_shards(self, epoch: int, shards: Any, down: Any) -> None:
-        self.shard_epoch = epoch
-        self.shard_addresses.update({str(sid): str(addr) for sid, addr in shards})
-        self.shards_down = set(down)
-
-    def _next_shard_change(self) -> asyncio.Future:
-        if self._shards_changed is None or self._shards_changed.done():
-            self._shards_changed = asyncio.get_running_loop().create_future()
-        return self._shards_changed
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
@@ -145,8 +112,7 @@ class WorkerNode(Node):
         ps = PSClient(sharded, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
                       timeout_s=self.cfg.limits.request_timeout_s)
         self.ps = ps
-        if int(info.get("shard_epoch", 0)) > self.shard_epoch:  # no shards message since: the welcome's view
-            self._learn_shards(int(info["shard_epoch"]), info["shards"], info.get("shards_down", ()))
+        self.learn_welcome_shards(info)
         await ps.connect()
         try:
             if not await self.with_shards(ps, ps.pull, "pull"):
@@ -206,49 +172,14 @@ class WorkerNode(Node):
             return False
 
     async def with_shards(self, ps: PSClient, request: Any, what: str) -> bool:
-        """Run ``request()`` (a pull or a push of ``ps``) to completion: True, or False when the node
-        was told to stop first; raises what the request raised. While a shard is down it waits;
-        when a shard goes down or comes back (the scheduler's ``shards``) with the request in
-        flight, the request is abandoned and sent again (to the new addresses): a push carries the
-        same ``seq`` each time, so a shard that applied it already does not apply it again."""
-        while True:
-            while self.shards_down:  # until the scheduler says it is back (or the job fails and stops us)
-                changed = self._next_shard_change()
-                if not await self.unless_stopped(asyncio.ensure_future(asyncio.shield(changed))):
-                    return False
-            for sid, address in ps.shard_addresses:
-                new = self.shard_addresses.get(sid, address)
-                if new != address:
-                    self.log.info("shard_moved", shard=sid, old=address, new=new)
-                    await ps.readdress(sid, new)
-            epoch, changed = self.shard_epoch, self._next_shard_change()
-            task = asyncio.ensure_future(request())
-            watch = asyncio.ensure_future(asyncio.shield(changed))
-            try:
-                if not await self.unless_stopped(asyncio.ensure_future(self._first(task, watch))):
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    return False
-            finally:
-                watch.cancel()
-            if task.done():
-                try:
-                    task.result()
-                    return True
-                except (RemoteError, TransportError) as exc:
-                    if epoch == self.shard_epoch and not self.shards_down:
-                        raise
-                    self.log.info(f"{what}_failed_during_shard_change", error=str(exc))
-            else:  # the shards changed first: abandon this try
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            self.push_retries += 1
-            self.log.info(f"{what}_retry", epoch=self.shard_epoch, down=sorted(self.shards_down))
-
-    @staticmethod
-    async def _first(task: asyncio.Future, watch: asyncio.Future) -> None:
-        """Returns once ``task`` is done or ``watch`` fired (the shards changed)."""
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        """:meth:`~hmp.nodes.shard_follower.ShardFollower.follow_shards` raced against a stop: True once
+        ``request()`` (a pull or a push of ``ps``) completed, False when the node was told to stop first;
+        raises what the request raised."""
+        task = asyncio.ensure_future(self.follow_shards(ps, request, what))
+        if not await self.unless_stopped(task):
+            return False
+        task.result()
+        return True
 
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0)

@@ -81,12 +81,12 @@ def write_model(run_dir: str | os.PathLike, cfg: Config, model: nn.Module, *, pa
     # worker's model are views of its flat buffers; torch.save writes each shared buffer once.
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     model_path = out / MODEL_FILE
-    _atomic(model_path, lambda f: torch.save(state, f))
+    write_atomically(model_path, lambda f: torch.save(state, f))
     digest = _sha256(model_path)
     source = Path(cfg.path)
     config_copy = ""
     if source.is_file():
-        _atomic(out / CONFIG_COPY, lambda f: f.write(source.read_bytes()))
+        write_atomically(out / CONFIG_COPY, lambda f: f.write(source.read_bytes()))
         config_copy = CONFIG_COPY
     info = {"format": EXPORT_FORMAT, "job": cfg.job.name, "written_at": time.time(),
             "model": dataclasses.asdict(cfg.model), "model_class": type(model).__qualname__,
@@ -94,7 +94,7 @@ def write_model(run_dir: str | os.PathLike, cfg: Config, model: nn.Module, *, pa
             "parameters": parameters, "metrics": dict(metrics or {}), "detail": dict(detail or {}),
             "file": MODEL_FILE, "sha256": digest, "tensors": len(state),
             "numel": sum(t.numel() for t in state.values())}
-    _atomic(out / MODEL_INFO, lambda f: f.write(json.dumps(info, indent=1, default=str).encode()))
+    write_atomically(out / MODEL_INFO, lambda f: f.write(json.dumps(info, indent=1, default=str).encode()))
     return model_path
 
 
@@ -154,7 +154,9 @@ def _config_for(model_cfg: ModelConfig, path: str) -> Config:
     return Config(path=path, nodes=(), **sections)
 
 
-def _atomic(path: Path, write: Any) -> None:
+def write_atomically(path: Path, write: Any) -> None:
+    """``write(f)`` into a temp file beside ``path`` (binary), fsync, rename over ``path``: a reader sees the
+    old file or the whole new one, never a torn one; a failed write leaves no temp file."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:

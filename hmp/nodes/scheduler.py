@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from hmp import job
 from hmp.client import PSClient
 from hmp.config import WORKER_ROLES, Config, Role
 from hmp.errors import ConfigError, HmpError, RequestError
-from hmp.export import exportable, write_model
+from hmp.export import exportable, write_atomically, write_model
 from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Leave, Message, Replicas, Report,
                           RingAssign, Shards, Shutdown, StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
@@ -538,13 +537,4 @@ class SchedulerNode(Node):
 def _write_json(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` as JSON to ``path`` atomically (temp file, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda f: f.write(json.dumps(state).encode()))

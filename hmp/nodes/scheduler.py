@@ -507,6 +507,13 @@ class SchedulerNode(Node):
         """The test metrics of the parameters the shards hold now; the client that pulled them is kept
         (:attr:`evaluated`: its model holds the values evaluated). Call it holding :attr:`evaluating`."""
         self.evaluated = None
+        # A shard that already left or was lost answers nothing: pulling from it would wait out the request
+        # timeout (e.g. every daemon got SIGTERM at once and the shards stopped first).
+        gone = [f"{s} ({m.state})" for s in self.core.shard_ids
+                if (m := self.core.membership[self.core.primary_of(s)]).state not in CONNECTED]
+        if gone:
+            self.log.warning("final_evaluation_skipped", shards_gone=gone)
+            return {"error": f"the shards' parameters cannot be read: {', '.join(gone)} no longer serving"}
         try:
             shards = [(s, address) for s, address in self.core.shard_addresses()]
             # Building the model and the report's plot are slow: on the compute thread, so that the

@@ -509,9 +509,7 @@ class SchedulerNode(Node):
         self.evaluated = None
         # A shard that already left or was lost answers nothing: pulling from it would wait out the request
         # timeout (e.g. every daemon got SIGTERM at once and the shards stopped first).
-        gone = [f"{s} ({m.state})" for s in self.core.shard_ids
-                if (m := self.core.membership[self.core.primary_of(s)]).state not in CONNECTED]
-        if gone:
+        if gone := self.shards_gone():
             self.log.warning("final_evaluation_skipped", shards_gone=gone)
             return {"error": f"the shards' parameters cannot be read: {', '.join(gone)} no longer serving"}
         try:
@@ -520,13 +518,39 @@ class SchedulerNode(Node):
             # event loop keeps answering heartbeats meanwhile.
             client = await self.in_thread(lambda: PSClient.from_config(self.cfg, shards, name=self.id))
             async with client as ps:
-                await ps.pull()
+                # A shard may stop while it is being read (every daemon got SIGTERM at once): the pull is
+                # raced against the shards' membership, so that it gives way as soon as one leaves or is
+                # lost instead of waiting out the request timeout.
+                pull = asyncio.ensure_future(ps.pull())
+                watch = asyncio.ensure_future(self.until_shard_gone())
+                try:
+                    await asyncio.wait({pull, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                    if not pull.done():
+                        pull.cancel()
+                    await asyncio.gather(pull, watch, return_exceptions=True)
+                if not pull.done() or pull.cancelled():
+                    gone = self.shards_gone()
+                    self.log.warning("final_evaluation_skipped", shards_gone=gone)
+                    return {"error": f"the shards' parameters cannot be read: {', '.join(gone)} stopped during the read"}
+                pull.result()
                 metrics = await self.in_thread(ps.evaluate, self.dataset)
             self.evaluated = client
             return metrics
         except Exception as exc:
             self.log.exception("final_evaluation_failed")
             return {"error": f"{exc.__class__.__name__}: {exc}"}
+
+    def shards_gone(self) -> list[str]:
+        """The shards whose serving member has left or was lost, each with its state."""
+        return [f"{s} ({m.state})" for s in self.core.shard_ids
+                if (m := self.core.membership[self.core.primary_of(s)]).state not in CONNECTED]
+
+    async def until_shard_gone(self) -> None:
+        """Return once a shard's serving member is no longer connected (polled every membership tick)."""
+        while not self.shards_gone():
+            await asyncio.sleep(TICK * self.cfg.job.heartbeat_interval_s)
 
     async def drain(self) -> None:
         """Let every connected node hear 'shutdown' through its heartbeat, then stop (bounded)."""

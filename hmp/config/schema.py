@@ -103,6 +103,8 @@ class DataConfig:
     samples: int = _field(20000, "click: examples to generate")
     standardize: bool = _field(False, "scale each feature to mean 0, variance 1 with statistics of the training "
                                       "split only (dense data)")
+    sparse: bool = _field(False, "svmlight: keep the features sparse (CSR rows, from file to batch) for a sparse-input "
+                                 "model (docs/data.md); false makes them a dense matrix")
     args: dict = _field({}, "extra loader arguments")
     seed: int = _field(0, "split / generation seed")
 

@@ -62,7 +62,7 @@ async def test_a_killed_worker_does_not_end_a_ps_job(tmp_path, consistency):
     it (sync rounds), and the survivor trains on to the target; the report names the lost worker. In async mode
     the data goes first come first served: the range the dead worker held is handed out again."""
     policy = "hogbatch" if consistency == "async" else "static"
-    cfg = write_config(tmp_path, consistency=consistency, policy=policy, target=0.95, epochs=200, max_seconds=120,
+    cfg = write_config(tmp_path, consistency=consistency, policy=policy, target=0.9, epochs=200, max_seconds=120,
                        optimizer=SLOW)
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster)
@@ -75,7 +75,7 @@ async def test_a_killed_worker_does_not_end_a_ps_job(tmp_path, consistency):
     assert detected < 4 * HB + 1.0, detected
     assert _events(report, "gpu0") == ["lost"], report["membership"]
     assert report["final"]["stop_reason"].startswith("target accuracy")
-    assert report["final"]["best_reported_accuracy"] >= 0.95
+    assert report["final"]["best_reported_accuracy"] >= 0.9
     if consistency == "async":
         assert report["work_redone"] > 0
     assert report["final"]["elapsed_s"] > report["membership"][0]["t"]  # it went on after the loss
@@ -85,7 +85,7 @@ async def test_a_killed_worker_does_not_end_a_ps_job(tmp_path, consistency):
 
 async def test_a_hung_worker_is_dropped_and_the_job_completes(tmp_path):
     """SIGSTOP of a worker (a hang): it is lost within the heartbeat bound and the job completes without it."""
-    cfg = write_config(tmp_path, target=0.95, epochs=200, max_seconds=120, optimizer=SLOW)
+    cfg = write_config(tmp_path, target=0.9, epochs=200, max_seconds=120, optimizer=SLOW)
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster)
         cluster.kill("gpu0", signal.SIGSTOP)
@@ -97,7 +97,7 @@ async def test_a_hung_worker_is_dropped_and_the_job_completes(tmp_path):
         assert code == 0, cluster.log_tail("scheduler", 30)
     assert detected < 4 * HB + 1.0, detected
     report = _report(tmp_path)
-    assert _events(report, "gpu0") == ["lost"] and report["final"]["best_reported_accuracy"] >= 0.95
+    assert _events(report, "gpu0") == ["lost"] and report["final"]["best_reported_accuracy"] >= 0.9
 
 
 async def test_fewer_live_workers_than_min_workers_fails_the_job(tmp_path):

@@ -8,7 +8,9 @@ counted into Prometheus objects as it happens: the transport keeps plain numbers
 scheduler's report), and a scrape reads them all at once.
 
 * :func:`snapshot` (on the node's event loop thread) is every value now as a plain dict, the one source
-  of what is exported: the HTTP endpoint formats it, and another exporter (Ray's metrics) can push it.
+  of what is exported: the HTTP endpoint formats it. Under Ray the daemon's actor reads the endpoint and
+  records the same values through ``ray.util.metrics`` (:class:`hmp.ray_engine.RayMetrics`): this module,
+  which every daemon imports, never imports Ray.
 * :class:`MetricsEndpoint` serves it: a ``wsgiref`` server of ``prometheus_client`` on its own thread, so
   that a scrape never waits on the event loop nor the loop on a scrape. The thread asks the loop for a
   snapshot (``call_soon_threadsafe``; a loop that does not answer within :data:`SNAPSHOT_TIMEOUT_S`

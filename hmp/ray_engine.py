@@ -25,6 +25,10 @@ poll, so the logs of the whole job are where the driver runs. So is the report: 
 files are copied here when the scheduler's node is elsewhere, and ``report.json`` gets a ``ray`` section
 (the Ray nodes each daemon ran on, and the daemons lost with Ray's error).
 
+Metrics (``[metrics] enabled``): each daemon serves its Prometheus endpoint on its node (:mod:`hmp.metrics`), and
+its actor reads it every ``metrics_interval_s`` and records the same metrics through ``ray.util.metrics``
+(:class:`RayMetrics`), so that Ray's metrics agent and dashboard have them; the daemon never imports Ray.
+
 Failures come from Ray: an actor that dies (``ray.kill``, its node lost) is a lost node: for a worker the job
 goes on without it while ``[train] min_workers`` remain (``[job] restarts`` are refused under Ray for now); a
 lost shard or scheduler fails the job (:class:`hmp.cluster.JobFailed`, with Ray's error). ``stop()`` stops every daemon (SIGTERM through its actor), kills every actor, removes the placement
@@ -131,6 +135,17 @@ signal.signal(signal.SIGINT, forward)
 code = child.wait()
 sys.exit(code if code >= 0 else 128 - code)
 """
+#: Seconds between two reads of a daemon's metrics endpoint by its actor (``[metrics] enabled`` under Ray), which records
+#: them through ``ray.util.metrics``; Ray's own export to its metrics agent runs every ``metrics_report_interval_ms``
+#: (10 s by default), so a shorter period adds nothing there.
+METRICS_INTERVAL_S = 5.0
+#: A read of a daemon's metrics endpoint waits this long (the endpoint answers 503 after 2 s itself).
+METRICS_FETCH_TIMEOUT_S = 3.0
+#: start() waits this long for each daemon's metrics URL (it writes it just after it serves).
+METRICS_URL_WAIT_S = 10.0
+#: Most ``Histogram.observe`` calls one :meth:`RayMetrics.record` makes; the rest is carried to the next call, so a
+#: daemon's burst of requests costs its actor a bounded time per period.
+MAX_OBSERVATIONS = 20_000
 _SERVING = re.compile(r"\bserving\b.*\baddress=(\S+)")
 
 
@@ -148,6 +163,154 @@ def serving(line: str) -> tuple[str, int] | None:
     return (m.group(1), int(pid.group(1)) if pid else 0) if m else None
 
 
+def parse_metrics_text(text: str) -> dict[str, dict[str, Any]]:
+    """A scrape of a daemon's endpoint (the Prometheus text format) as :func:`hmp.metrics.snapshot` returns it:
+    ``{name: {"type", "help", "samples": [(labels, value), ...]}}``, counters without ``_total``, a histogram's
+    value ``{"buckets": [(upper bound, cumulative count), ...], "sum", "count"}``."""
+    from prometheus_client.parser import text_string_to_metric_families  # a dependency of hmp (its endpoint)
+
+    out: dict[str, dict[str, Any]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.type not in ("counter", "gauge", "histogram"):
+            continue
+        samples: list[tuple[dict[str, str], Any]] = []
+        if fam.type == "histogram":
+            series: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
+            for s in fam.samples:
+                labels = {k: v for k, v in s.labels.items() if k != "le"}
+                h = series.setdefault(tuple(sorted(labels.items())), {"buckets": [], "sum": 0.0, "count": 0})
+                if s.name.endswith("_bucket"):
+                    h["buckets"].append((float(s.labels["le"]), int(s.value)))
+                elif s.name.endswith("_sum"):
+                    h["sum"] = float(s.value)
+                elif s.name.endswith("_count"):
+                    h["count"] = int(s.value)
+            for key, h in series.items():
+                h["buckets"].sort()
+                samples.append((dict(key), h))
+        else:
+            samples = [(dict(s.labels), float(s.value)) for s in fam.samples
+                       if s.name in (fam.name, f"{fam.name}_total")]
+        out[fam.name] = {"type": fam.type, "help": fam.documentation, "samples": samples}
+    return out
+
+
+class RayMetrics:
+    """Records a daemon's metrics through ``ray.util.metrics`` (docs/metrics.md, "Under Ray"): each hmp metric
+    becomes a Ray metric of the same name and kind, tagged with the hmp labels (``node``, ``role``, ``peer``,
+    ``kind``, ...) and ``tags`` (``job``). Construct and call it in a process connected to Ray (an actor).
+
+    :meth:`record` takes a snapshot (:func:`parse_metrics_text`) of cumulative values: a counter is increased by
+    what it grew since the last call (``Counter.inc``), a gauge set, a histogram's new observations replayed
+    (``Histogram.observe``, same bucket bounds) at the bucket's midpoint (above the last bound: twice it), which
+    is what Ray's export counts a bucket's values as anyway: the counts per bucket are exact, the sum Ray's
+    approximation. At most ``max_observations`` per call; the rest waits for the next.
+    A gauge's series that leaves hmp's snapshot (e.g. a membership state no node is in now) is set to 0.
+    A daemon whose counters go back (it restarted) starts again from zero."""
+
+    def __init__(self, tags: dict[str, str] | None = None, max_observations: int = MAX_OBSERVATIONS) -> None:
+        from ray.util import metrics as ray_metrics
+
+        self._ray = ray_metrics
+        self.tags = dict(tags or {})
+        self.max_observations = max_observations
+        self._metrics: dict[str, Any] = {}           # name -> the Ray metric
+        self._keys: dict[str, tuple[str, ...]] = {}  # name -> its tag keys
+        self._bounds: dict[str, list[float]] = {}    # histogram name -> its finite bucket bounds
+        #: what went to Ray so far, per (name, tags): a counter's total, a gauge's value, a histogram's
+        #: ``(per-bucket counts, sum of the values observed)``
+        self.recorded: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self.records = 0
+
+    def _metric(self, name: str, m: dict[str, Any]) -> Any:
+        metric = self._metrics.get(name)
+        if metric is None:
+            keys = tuple(sorted({k for labels, _ in m["samples"] for k in labels} | set(self.tags)))
+            self._keys[name] = keys
+            if m["type"] == "counter":
+                metric = self._ray.Counter(name, m["help"], tag_keys=keys)
+            elif m["type"] == "gauge":
+                metric = self._ray.Gauge(name, m["help"], tag_keys=keys)
+            else:
+                bounds = [le for le, _ in m["samples"][0][1]["buckets"] if le != float("inf")]
+                self._bounds[name] = bounds
+                metric = self._ray.Histogram(name, m["help"], boundaries=bounds, tag_keys=keys)
+            self._metrics[name] = metric
+        return metric
+
+    def record(self, snap: dict[str, dict[str, Any]]) -> int:
+        """Record one snapshot; returns the number of Ray calls made."""
+        calls, budget = 0, self.max_observations
+        for name, m in snap.items():
+            if not m["samples"]:
+                continue
+            metric = self._metric(name, m)
+            if getattr(metric, "_discard_metric", False):  # a name Ray refuses (warned once): nothing recorded
+                continue
+            keys = self._keys[name]
+            for labels, value in m["samples"]:
+                tags = {k: str(labels.get(k, self.tags.get(k, ""))) for k in keys}
+                key = (name, tuple(sorted(tags.items())))
+                if m["type"] == "gauge":
+                    if value == value:  # NaN: no value yet (e.g. no heartbeat answered)
+                        metric.set(value, tags=tags)
+                        self.recorded[key] = value
+                        calls += 1
+                elif m["type"] == "counter":
+                    done = self.recorded.get(key, 0.0)
+                    if value < done:
+                        done = 0.0
+                    if value > done:
+                        metric.inc(value - done, tags=tags)
+                        calls += 1
+                    self.recorded[key] = value
+                else:
+                    n, budget = self._observe(metric, name, key, value, tags, budget)
+                    calls += n
+            if m["type"] == "gauge":  # a series gone from hmp's (a membership state no node is in now) is 0
+                seen = {tuple(sorted({k: str(labels.get(k, self.tags.get(k, ""))) for k in keys}.items()))
+                        for labels, _ in m["samples"]}
+                for gone in [k for k in self.recorded if k[0] == name and k[1] not in seen and self.recorded[k]]:
+                    metric.set(0.0, tags=dict(gone[1]))
+                    self.recorded[gone] = 0.0
+                    calls += 1
+        self.records += 1
+        return calls
+
+    def _observe(self, metric: Any, name: str, key: Any, h: dict[str, Any], tags: dict[str, str],
+                 budget: int) -> tuple[int, int]:
+        bounds = self._bounds[name]
+        cumulative = [n for _, n in h["buckets"]]
+        counts = [n - (cumulative[i - 1] if i else 0) for i, n in enumerate(cumulative)]
+        done, sent_sum = self.recorded.get(key, ([0] * len(counts), 0.0))
+        if len(done) != len(counts) or any(c < d for c, d in zip(counts, done)):
+            done = [0] * len(counts)
+        calls = 0
+        for i, (c, d) in enumerate(zip(counts, done)):
+            n = min(c - d, budget)
+            if n <= 0:
+                continue
+            # Ray's own stand-in for a bucket's values (its export sums them so): the midpoint, 2 x the last bound
+            value = (bounds[i] + (bounds[i - 1] if i else 0.0)) / 2 if i < len(bounds) else 2 * bounds[-1]
+            for _ in range(n):
+                metric.observe(value, tags=tags)
+            done[i] += n
+            sent_sum += n * value
+            budget -= n
+            calls += n
+        self.recorded[key] = (done, sent_sum)
+        return calls, budget
+
+    def summary(self) -> dict[str, list[list[Any]]]:
+        """What went to Ray: ``{name: [[tags, value], ...]}``; a histogram's value ``{"count", "sum"}``."""
+        out: dict[str, list[list[Any]]] = {}
+        for (name, tags), value in sorted(self.recorded.items()):
+            if isinstance(value, tuple):
+                value = {"count": sum(value[0]), "sum": value[1]}
+            out.setdefault(name, []).append([dict(tags), value])
+        return out
+
+
 @ray.remote(max_restarts=0, max_task_retries=0)
 class DaemonActor:
     """One daemon of the topology, a child process of this actor (docs/ray.md).
@@ -160,6 +323,12 @@ class DaemonActor:
         self.proc: asyncio.subprocess.Process | None = None
         self.log_path = ""
         self.config_dir = ""
+        #: ``[metrics] enabled``: the task reading the daemon's endpoint into Ray's metrics, and what it did
+        self.exporter: asyncio.Task[None] | None = None
+        self.recorder: RayMetrics | None = None
+        self.metrics_url = ""
+        self.metrics_polls = 0
+        self.metrics_errors: list[str] = []
 
     async def node_info(self, marker: str) -> dict[str, Any]:
         """Where this actor runs; ``shared``: whether ``marker`` (a file the driver made) is visible here, i.e.
@@ -183,10 +352,12 @@ class DaemonActor:
                 start_new_session=True)
         return self.proc.pid
 
-    async def start(self, config_text: str, argv: list[str], serving_timeout_s: float) -> dict[str, Any]:
+    async def start(self, config_text: str, argv: list[str], serving_timeout_s: float,
+                    metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Give the prepared daemon its derived config and arguments (``[ROLE, --id, N, ...]``) and wait until it
         serves: ``{"pid", "address"}``, or ``{"exit_code", "tail"}`` if it ended first (``exit_code`` None: it
-        did not serve within ``serving_timeout_s`` and was stopped)."""
+        did not serve within ``serving_timeout_s`` and was stopped). ``metrics`` (``{"url_file", "tags",
+        "interval_s"}``): record the daemon's metrics through Ray's while it runs (:meth:`_export_metrics`)."""
         assert self.proc is not None and self.proc.stdin is not None
         config = Path(self.config_dir) / "job.toml"
         config.write_text(config_text)
@@ -206,6 +377,8 @@ class DaemonActor:
                 for line in lines:
                     found = serving(line.decode(errors="replace"))
                     if found:
+                        if metrics:
+                            self.exporter = asyncio.ensure_future(self._export_metrics(found[1], **metrics))
                         return {"address": found[0], "pid": found[1]}
                 if self.proc.returncode is not None:
                     return {"exit_code": self.proc.returncode, "tail": self.tail()}
@@ -217,6 +390,45 @@ class DaemonActor:
         finally:
             # The daemon has read its config (or is gone): the file is not needed any more.
             shutil.rmtree(self.config_dir, ignore_errors=True)
+
+    async def _export_metrics(self, pid: int, url_file: str, tags: dict[str, str], interval_s: float) -> None:
+        """Until the daemon exits: every ``interval_s``, read its metrics endpoint (on this node; its URL from the
+        file the daemon writes, :func:`hmp.metrics.url_file`, with its pid) and record them through
+        ``ray.util.metrics`` (:class:`RayMetrics`). A failed read is counted and kept (the last few), not fatal."""
+        import urllib.request
+
+        def fetch(url: str) -> str:
+            with urllib.request.urlopen(url, timeout=METRICS_FETCH_TIMEOUT_S) as r:
+                return r.read().decode()
+
+        assert self.proc is not None
+        self.recorder = RayMetrics(tags)
+        while self.proc.returncode is None:
+            if not self.metrics_url:
+                with contextlib.suppress(OSError, ValueError):
+                    info = json.loads(Path(url_file).read_text())
+                    if info.get("pid") == pid:
+                        self.metrics_url = str(info["url"])
+            if self.metrics_url:
+                try:
+                    text = await asyncio.to_thread(fetch, self.metrics_url)
+                    self.recorder.record(parse_metrics_text(text))
+                    self.metrics_polls += 1
+                except Exception as exc:  # noqa: BLE001 - the daemon stopping, a 503: kept for metrics_info
+                    self.metrics_errors = [*self.metrics_errors[-4:], f"{type(exc).__name__}: {exc}"]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()),
+                                       interval_s if self.metrics_url else min(interval_s, 0.1))
+
+    async def metrics_info(self, wait_url_s: float = 0.0) -> dict[str, Any]:
+        """The daemon's metrics endpoint (waiting up to ``wait_url_s`` for its URL) and what went to Ray's
+        metrics so far: ``{"url", "polls", "errors", "recorded": RayMetrics.summary()}``."""
+        deadline = time.monotonic() + wait_url_s
+        while not self.metrics_url and self.exporter is not None and not self.exporter.done() \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {"url": self.metrics_url, "polls": self.metrics_polls, "errors": self.metrics_errors,
+                "recorded": self.recorder.summary() if self.recorder is not None else {}}
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -243,6 +455,8 @@ class DaemonActor:
         proc = self.proc
         if proc is None:
             return None
+        if self.exporter is not None:
+            self.exporter.cancel()
         if proc.stdin is not None and not proc.stdin.is_closing():
             proc.stdin.close()  # a daemon still waiting for its arguments ends at the end of its input
         if proc.returncode is None:
@@ -323,11 +537,15 @@ class RayCluster:
 
     ``address``: a Ray cluster to join (``"auto"``, ``"10.0.0.1:6379"``, ``"ray://..."``); None: the Ray
     instance this process already runs, else a local one sized to this machine (shut down by :meth:`stop`).
-    ``ray_init``: extra ``ray.init`` arguments for a local instance."""
+    ``ray_init``: extra ``ray.init`` arguments for a local instance. ``metrics_interval_s``: with ``[metrics]
+    enabled``, how often each actor records its daemon's metrics through Ray's (:class:`RayMetrics`).
+    ``num_cpus``: role -> ``num_cpus`` of its actors instead of ``threads`` (the job manager runs a ring job's
+    scheduler with 0: its slots are the workers' CPUs)."""
 
     def __init__(self, config: Config | str | os.PathLike, *, address: str | None = None,
                  env: dict[str, str] | None = None, resume: bool = False, grace_s: float = 10.0,
-                 ray_init: dict[str, Any] | None = None) -> None:
+                 ray_init: dict[str, Any] | None = None, metrics_interval_s: float = METRICS_INTERVAL_S,
+                 num_cpus: dict[str, float] | None = None) -> None:
         from hmp import job
         from hmp.config import WORKER_ROLES, Config, Role
         from hmp.errors import ConfigError
@@ -339,6 +557,8 @@ class RayCluster:
         self.ray_init = dict(ray_init or {})
         self.resume = resume
         self.grace_s = grace_s
+        self.metrics_interval_s = metrics_interval_s
+        self.num_cpus = dict(num_cpus or {})
         bad = {r: n for r, n in self.cfg.job.restarts.items() if n}
         if bad:
             raise ConfigError(self.cfg.path, "job.restarts",
@@ -364,6 +584,8 @@ class RayCluster:
         self.lost: list[dict[str, Any]] = []
         #: where each daemon runs: ``{node: {ip, hostname, ray_node, address, pid, log}}``
         self.placement: dict[str, dict[str, Any]] = {}
+        #: ``[metrics] enabled``: ``{node: URL}`` of each daemon's endpoint (on its Ray node), known after start()
+        self.metrics_urls: dict[str, str] = {}
         self.actors: dict[str, Any] = {}
         self._exits: dict[str, int | None] = {}  # node -> exit code (None: its actor died)
         self._log_paths: dict[str, Path] = {}
@@ -418,7 +640,8 @@ class RayCluster:
 
     def _options(self, node: Any, node_ips: set[str]) -> dict[str, Any]:
         """``DaemonActor.options`` for ``node``: its CPUs, GPU and host (docs/ray.md, "Resources")."""
-        opts: dict[str, Any] = {"num_cpus": node.threads, "resources": host_resources(node.host, node_ips)}
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus.get(str(node.role), node.threads),
+                                "resources": host_resources(node.host, node_ips)}
         device = node.device or ("cuda" if node.role == self._role.GPU_WORKER else "cpu")
         if node.role in self._worker_roles and device.startswith("cuda"):
             opts["num_gpus"] = 1
@@ -469,6 +692,10 @@ class RayCluster:
             raise
         await prepared
         await asyncio.gather(*(self._start_node(n.id) for n in others))
+        if self.cfg.metrics.enabled:
+            infos = await asyncio.gather(*(self.actors[nid].metrics_info.remote(METRICS_URL_WAIT_S)
+                                           for nid in self.actors))
+            self.metrics_urls = {nid: i["url"] for nid, i in zip(self.actors, infos) if i["url"]}
 
     def _job_failed(self, message: str, node: str = "", tail: str = "") -> Exception:
         from hmp.cluster import JobFailed
@@ -515,7 +742,11 @@ class RayCluster:
         args = [node.role, "--id", node.id]
         if node.role in (self._role.PS, self._role.SCHEDULER) and self.resume:
             args.append("--resume")
-        started = await self.actors[node_id].start.remote(text, args, self.cfg.job.join_timeout_s)
+        metrics = None
+        if self.cfg.metrics.enabled:
+            metrics = {"url_file": str(self.cfg.report_dir.resolve() / "metrics" / f"{node_id}.json"),
+                       "tags": {"job": self.cfg.job.name}, "interval_s": self.metrics_interval_s}
+        started = await self.actors[node_id].start.remote(text, args, self.cfg.job.join_timeout_s, metrics)
         placed.update(started)
         if "address" not in started:
             await self._pull_log(node_id)
@@ -663,6 +894,9 @@ class RayCluster:
                       for nid, p in self.placement.items()},
             "lost": self.lost,
         }
+        if self.cfg.metrics.enabled:  # what each actor recorded through Ray's metrics (docs/metrics.md)
+            infos = await asyncio.gather(*(self._await_exit(a.metrics_info.remote()) for a in self.actors.values()))
+            report["ray"]["metrics"] = {nid: info for nid, (info, error) in zip(self.actors, infos) if not error}
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=2, default=str))
         tmp.replace(path)

@@ -355,3 +355,28 @@ def test_cli_submit_and_stop(tmp_path):
                 mgr.kill()
                 mgr.wait()
             mgr.stdout.close()
+
+
+# ----------------------------------------------------------------------------- slots from Ray (jobs: tests/test_ray.py)
+def test_a_ray_nodes_host_name_slots_and_link_follow_the_documented_rule():
+    """A Ray node (an entry of ray.nodes()) as a host: named by its hmp_host:<name> resource, else its IP; slots
+    from hmp_slots, else its whole CPUs (GPUs add none); link from hmp_link_mbit, else the default."""
+    from hmp.jobs.ray_inventory import DEFAULT_LINK_MBIT, host_of_node
+
+    plain = host_of_node({"NodeID": "n1", "NodeManagerAddress": "10.0.0.5",
+                          "Resources": {"CPU": 7.5, "GPU": 2.0, "memory": 1e9, "node:10.0.0.5": 1.0}})
+    assert (plain.name, plain.ip, plain.slots, plain.gpus, plain.bandwidth_mbit) == (
+        "10.0.0.5", "10.0.0.5", 7, 2.0, DEFAULT_LINK_MBIT)
+    named = host_of_node({"NodeID": "n2", "NodeManagerAddress": "10.0.0.6",
+                          "Resources": {"CPU": 16.0, "hmp_host:gpubox": 100.0, "hmp_slots": 3.0,
+                                        "hmp_link_mbit": 200.0}})
+    assert (named.name, named.slots, named.bandwidth_mbit, named.ray_node) == ("gpubox", 3, 200.0, "n2")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "ray", "--hosts", "h.toml"], "--hosts and --no-emulate are for the local engine"),
+    (["--address", "auto"], "--address needs --engine ray"),
+])
+def test_manager_engine_flags_are_checked(args, message):
+    r = subprocess.run([BIN / "hmp-manager", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import signal
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,11 +33,25 @@ RAY_BIN = str(Path(sys.executable).with_name("ray"))
 SUBNET = "10.231.13.0/24"  # the emulated-hosts tests' own range, apart from tests/test_emulate.py's
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: Where the module's Ray instance exports its metrics (Ray's metrics agent: only with ray[default]).
+METRICS_EXPORT_PORT = _free_port()
+#: Ray's metrics agent can run here: its modules need ray[default]'s packages (the minimal ray has none).
+RAY_AGENT = all(importlib.util.find_spec(m) for m in ("aiohttp", "grpc", "opentelemetry"))
+
+
 @pytest.fixture(scope="module")
 def ray_address():
-    """One local Ray instance for the module (logical CPUs for five one-thread daemons, on this machine's cores)."""
+    """One local Ray instance for the module (logical CPUs for five one-thread daemons, on this machine's cores);
+    its metrics exported on METRICS_EXPORT_PORT every half second (where Ray's metrics agent runs)."""
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             object_store_memory=100 * 1024 * 1024)
+             object_store_memory=100 * 1024 * 1024, _metrics_export_port=METRICS_EXPORT_PORT,
+             _system_config={"metrics_report_interval_ms": 500} if RAY_AGENT else None)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -262,3 +278,204 @@ def test_a_killed_launcher_leaves_nothing(tmp_path, ray_address):
     assert_nothing_left(pids)
     for nid in ("cpu0", "gpu0"):
         assert '"signal": "SIGTERM"' in (logs / f"{nid}.log").read_text()  # a graceful stop, not a SIGKILL
+
+
+def _hist(buckets: list[tuple[float, int]], total: float) -> dict:
+    return {"buckets": buckets, "sum": total, "count": buckets[-1][1]}
+
+
+def test_ray_metrics_records_hmp_values_through_ray_metric_objects(ray_address):
+    """RayMetrics, in a Ray worker with the real ray.util.metrics objects: a counter grows by what hmp's grew, a
+    gauge series that leaves hmp's snapshot goes to 0, a histogram's new observations are replayed bucket by
+    bucket (the mean when they fall into one bucket, else the bucket's upper bound; more than the per-call cap
+    wait for the next call), so that its count is hmp's."""
+    inf = float("inf")
+    lat = "round trip"
+    snaps = [
+        {"hmp_c": {"type": "counter", "help": "c", "samples": [({"node": "w0"}, 3.0)]},
+         "hmp_g": {"type": "gauge", "help": "g", "samples": [({"state": "live"}, 2.0), ({"state": "joining"}, 1.0)]},
+         "hmp_h": {"type": "histogram", "help": lat,
+                   "samples": [({"kind": "push"}, _hist([(0.1, 2), (1.0, 2), (inf, 2)], 0.1))]}},
+        {"hmp_c": {"type": "counter", "help": "c", "samples": [({"node": "w0"}, 10.0)]},
+         "hmp_g": {"type": "gauge", "help": "g", "samples": [({"state": "live"}, 3.0)]},
+         "hmp_h": {"type": "histogram", "help": lat,
+                   "samples": [({"kind": "push"}, _hist([(0.1, 2), (1.0, 8), (inf, 9)], 9.0))]}},
+    ]
+    snaps.append(snaps[1])  # the observations the cap held back
+
+    @ray.remote(num_cpus=0)
+    def record(snaps):
+        from hmp.ray_engine import RayMetrics
+
+        r = RayMetrics({"job": "j"}, max_observations=5)
+        calls = [r.record(s) for s in snaps]
+        return calls, r.summary(), {n: type(m).__name__ for n, m in r._metrics.items()}
+
+    calls, summary, kinds = ray.get(record.remote(snaps), timeout=60)
+    assert kinds == {"hmp_c": "Counter", "hmp_g": "Gauge", "hmp_h": "Histogram"}
+    assert summary["hmp_c"] == [[{"job": "j", "node": "w0"}, 10.0]]
+    assert summary["hmp_g"] == [[{"job": "j", "state": "joining"}, 0.0], [{"job": "j", "state": "live"}, 3.0]]
+    # 2 in (0, 0.1] at 0.05; then 6 in (0.1, 1] at 0.55 (5 now, 1 at the next call) and 1 above 1 at 2 x 1.0
+    (tags, hist), = summary["hmp_h"]
+    assert tags == {"job": "j", "kind": "push"} and hist["count"] == 9
+    assert hist["sum"] == pytest.approx(2 * 0.05 + 6 * 0.55 + 2.0)
+    assert calls == [1 + 2 + 2, 1 + 2 + 5, 0 + 1 + 2]  # counter, gauges, observations
+
+
+def _ray_export(port: int) -> list[tuple[str, dict, float]] | None:
+    """The samples of the Ray node's metrics export, or None where nothing serves it (no Ray metrics agent)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def test_rays_metrics_export_carries_what_was_recorded(ray_address):
+    """What RayMetrics records in an actor comes out of the Ray node's metrics export (Prometheus text, names
+    prefixed ``ray_``), tagged with hmp's labels: read back from the export port. Needs Ray's metrics agent
+    (``pip install "ray[default]"``); skipped with the minimal ray, whose nodes export nothing."""
+    if not RAY_AGENT:
+        pytest.skip("no Ray metrics agent exports here (the minimal `ray`; Ray's export needs ray[default])")
+    deadline = time.monotonic() + 15
+    while _ray_export(METRICS_EXPORT_PORT) is None:  # the agent starts serving a few seconds after Ray
+        assert time.monotonic() < deadline, f"Ray's metrics agent does not serve port {METRICS_EXPORT_PORT}"
+        time.sleep(0.2)
+    inf = float("inf")
+
+    @ray.remote(num_cpus=0)
+    class Recorder:
+        def __init__(self) -> None:
+            from hmp.ray_engine import RayMetrics
+
+            self.metrics = RayMetrics({"job": "readback"})
+
+        def record(self, snap: dict) -> int:
+            return self.metrics.record(snap)
+
+    recorder = Recorder.remote()
+    try:
+        for samples, buckets in ((3.0, [(0.1, 2), (1.0, 2), (inf, 2)]), (10.0, [(0.1, 2), (1.0, 8), (inf, 9)])):
+            ray.get(recorder.record.remote({
+                "hmp_rb_samples": {"type": "counter", "help": "c", "samples": [({"node": "w0"}, samples)]},
+                "hmp_rb_seconds": {"type": "histogram", "help": "h",
+                                   "samples": [({"node": "w0"}, _hist(buckets, 1.0))]}}), timeout=30)
+        deadline = time.monotonic() + 20
+        while True:
+            got = {name: value for name, labels, value in _ray_export(METRICS_EXPORT_PORT) or []
+                   if labels.get("job") == "readback" and labels.get("node") == "w0"}
+            if got.get("ray_hmp_rb_samples_total") == 10.0 and got.get("ray_hmp_rb_seconds_count") == 9.0:
+                break
+            assert time.monotonic() < deadline, f"Ray's export never carried the recorded values: {got}"
+            time.sleep(0.3)
+    finally:
+        ray.kill(recorder)
+
+
+# ---------------------------------------------------------------------------------- the job manager on Ray
+
+RING_JOB = """
+[job]
+name = "ring"
+heartbeat_interval_s = 0.3
+
+[model]
+name = "digits_mlp"
+args = { hidden = [32] }
+
+[data]
+kind = "digits"
+
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+
+[train]
+batch_size = 32
+epochs = 4                 # a second or two of training: several reads of each endpoint by its actor
+max_seconds = 60
+eval_every_s = 1.0
+
+[metrics]
+enabled = true
+
+[submit]
+min_workers = 2
+max_workers = 2
+workers = 2
+model_type = "ring-tiny"   # known to the test's cost model: no profiling at submission
+utility = { kind = "linear", value = 1.0, zero_at_s = 600 }
+"""
+
+
+async def test_job_manager_on_ray_with_metrics_through_ray(tmp_path, ray_address):
+    """`JobManager(RayInventory())`: the hosts and slots are the Ray nodes' (a host per alive node, its whole
+    CPUs), and a submitted ring job runs to completion on the node GADGET placed it on, each daemon an actor
+    there. With [metrics] enabled each actor records its daemon's metrics through ray.util.metrics: the values
+    it recorded (by the real Ray metric objects, in the actor) are hmp's (a worker's samples, its request
+    latency histogram, the scheduler's membership), tagged with the job, node and role. Nothing is left."""
+    from hmp.gadget.model import ModelType, RingCostModel
+    from hmp.jobs.manager import DEFAULT_NETWORK, DONE, JobManager, cluster_spec
+    from hmp.jobs.ray_inventory import RayInventory
+
+    job = tmp_path / "ring.toml"
+    job.write_text(RING_JOB)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    inventory = RayInventory()
+    grad_bytes = (64 * 32 + 32 + 32 * 10 + 10) * 4  # digits_mlp, hidden [32]
+    cost = RingCostModel(cluster_spec(inventory.read()), [ModelType("ring-tiny", grad_bytes, 1e-3, 32)],
+                         DEFAULT_NETWORK)
+    async with JobManager(inventory, "gadget", run_dir=tmp_path / "runs", grace_s=3, cost=cost,
+                          ray_options={"metrics_interval_s": 0.1}) as m:
+        assert [(h.name, h.slots) for h in m.cluster.hosts] == [
+            (n["NodeManagerAddress"], int(n["Resources"]["CPU"])) for n in nodes]
+        assert m.cluster.total_slots == int(ray.cluster_resources()["CPU"])
+        handle = await m.submit(job)
+        result = await handle.wait(90)
+    assert result.status == DONE, result.error
+    host, ray_node = nodes[0]["NodeManagerAddress"], nodes[0]["NodeID"]
+    assert result.placement == {host: 2}
+    where = {"host": host, "ran_in": host, "ray_node": ray_node}
+    assert result.nodes == {nid: where for nid in ("scheduler", "w0", "w1")}
+    report = json.loads((Path(result.report_dir) / "report.json").read_text())
+    recorded = report["ray"]["metrics"]
+    job_name = f"ring-{result.job_id}"
+    for w in ("w0", "w1"):
+        info = recorded[w]
+        assert info["url"].startswith("http://") and info["polls"] > 0, info
+        (tags, samples), = info["recorded"]["hmp_worker_samples"]
+        assert tags == {"job": job_name, "node": w, "role": "cpu_worker"}
+        assert 0 < samples <= report["workers"][w]["samples"]  # a value of hmp's, up to its last read
+        latency = [v for t, v in info["recorded"]["hmp_request_seconds"]]
+        assert latency and all(v["count"] > 0 and v["sum"] > 0 for v in latency), latency
+    states = {t["state"] for t, v in recorded["scheduler"]["recorded"]["hmp_scheduler_members"]}
+    assert "live" in states, states  # recorded while the workers trained
+    assert_nothing_left([w["pid"] for w in report["ray"]["nodes"].values()], job_name)
+
+
+def test_manager_cli_engine_ray(ray_address):
+    """`hmp-manager --engine ray --address ADDR`: its hosts and slots are the Ray cluster's (one host per node, its
+    CPUs); SIGTERM stops it (exit 0) and its Ray connection with it."""
+    bin_dir = Path(sys.executable).parent
+    mgr = subprocess.Popen([bin_dir / "hmp-manager", "--engine", "ray", "--address", ray_address, "--bind",
+                            "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = mgr.stdout.readline()
+        cpus = int(ray.cluster_resources()["CPU"])
+        assert f"1 hosts from the Ray cluster at {ray_address} ({cpus} slots, under Ray)" in line, line
+    finally:
+        mgr.send_signal(signal.SIGTERM)
+        try:
+            assert mgr.wait(timeout=30) == 0
+        finally:
+            if mgr.poll() is None:
+                mgr.kill()
+                mgr.wait()
+            mgr.stdout.close()
+    assert_nothing_left([mgr.pid])

@@ -6,5 +6,7 @@
 * :mod:`hmp.jobs.core`: the sans-IO core (slots, queue, running jobs, the scheduler's checked decisions);
 * :mod:`hmp.jobs.manager`: the asyncio shell (:class:`~hmp.jobs.manager.JobManager`), each job a
   :class:`~hmp.cluster.LocalCluster` on the shared emulated hosts;
+* :mod:`hmp.jobs.ray_inventory`: the hosts and slots of a Ray cluster's nodes (``hmp-manager --engine ray``), whose
+  jobs run through :class:`~hmp.ray_engine.RayCluster`;
 * :mod:`hmp.jobs.cli`: ``hmp-manager`` and ``hmp-submit``.
 """

@@ -4,6 +4,8 @@
 each submitted ring job on the slots the scheduler chose, prints a line per job event; runs until Ctrl-C
 or SIGTERM, then stops every job's daemons and removes the emulated hosts. Exit 0 after such a stop, 1 when
 emulated hosts cannot be made here, 2 on a config error (hosts file, scheduler name).
+``hmp-manager --engine ray [--address ADDR]``: the hosts and slots are the Ray cluster's nodes, and each job runs
+on them through the Ray engine (docs/jobs.md, "Slots from Ray"; needs ``pip install "hmp[ray]"``).
 
 ``hmp-submit JOB.toml [--manager ADDR] [--wait]``: sends the job file; prints the job's id. ``--wait``: until
 the job ends, then its result. Exit 0 (submitted; with --wait: the job finished), 1 (the job failed, or no
@@ -48,7 +50,12 @@ async def _manage(args: argparse.Namespace) -> int:
     from hmp.jobs.manager import JobManager
 
     hmp_log.configure("auto")
-    manager = JobManager(args.hosts, args.scheduler, emulate=not args.no_emulate, run_dir=args.run_dir,
+    hosts: Any = args.hosts
+    if args.engine == "ray":
+        from hmp.jobs.ray_inventory import RayInventory
+
+        hosts = RayInventory(args.address)
+    manager = JobManager(hosts, args.scheduler, emulate=not args.no_emulate, run_dir=args.run_dir,
                          bind=args.bind, seed=args.seed, on_event=_line)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -56,8 +63,9 @@ async def _manage(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with manager:
+            where = "" if manager.emulated else (", under Ray" if manager.ray else ", on this machine")
             print(f"hmp-manager: {len(manager.host_names)} hosts from {manager.hosts_source} "
-                  f"({manager.cluster.total_slots} slots{'' if manager.emulated else ', on this machine'}), "
+                  f"({manager.cluster.total_slots} slots{where}), "
                   f"scheduler {args.scheduler}, listening on {manager.address}", flush=True)
             await stop.wait()
             print("hmp-manager: stopping every job", flush=True)
@@ -79,7 +87,21 @@ def manager_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-emulate", action="store_true",
                     help="run every job on this machine's loopback (the hosts file then only gives slots)")
     ap.add_argument("--seed", type=int, default=0, help="seed of randomised schedulers")
+    ap.add_argument("--engine", choices=["local", "ray"], default="local",
+                    help="ray: the hosts and slots are a Ray cluster's nodes, jobs run under Ray (docs/jobs.md)")
+    ap.add_argument("--address", metavar="ADDR", default=None,
+                    help="--engine ray: the Ray cluster to join (e.g. auto, 10.0.0.1:6379); default: a local one")
     args = ap.parse_args(argv)
+    if args.engine == "ray" and (args.hosts or args.no_emulate):
+        ap.error("--hosts and --no-emulate are for the local engine; under Ray the hosts are the Ray nodes")
+    if args.address and args.engine != "ray":
+        ap.error("--address needs --engine ray")
+    if args.engine == "ray":
+        try:  # before anything slow: Ray missing is one line
+            import ray  # noqa: F401
+        except ImportError as exc:
+            print(f"hmp-manager: --engine ray needs Ray: pip install \"hmp[ray]\" ({exc})", file=sys.stderr)
+            return 2
     try:
         return uvloop.run(_manage(args))
     except ConfigError as exc:

@@ -10,9 +10,11 @@ decisions into running jobs, and tells the core when a job ends. Each admitted j
 own (a per-job scheduler daemon and one ``cpu_worker`` per slot, each on the host the placement names,
 the scheduler on a port of its own) run by a :class:`~hmp.cluster.LocalCluster` on the manager's
 :class:`~hmp.emulate.EmulatedHosts` (several clusters share them), or on this machine's loopback when
-the manager does not emulate its hosts (they are then only slot counts). A job that fails (a daemon
-exits non-zero, e.g. a killed worker) ends alone: its cluster stops its daemons, its slots return to
-the core, the other jobs go on.
+the manager does not emulate its hosts (they are then only slot counts); with ``hosts=RayInventory(...)``
+(:mod:`hmp.jobs.ray_inventory`) the hosts and slots are a Ray cluster's nodes and each job runs on them
+through the Ray engine (:class:`~hmp.ray_engine.RayCluster`, each daemon pinned to the node its placement
+names). A job that fails (a daemon exits non-zero, e.g. a killed worker) ends alone: its cluster stops
+its daemons, its slots return to the core, the other jobs go on.
 
 ``bind=``: the manager also serves ``submit`` and ``status`` requests (hmp's transport, docs/protocol.md)
 for ``hmp-submit``; a job file it cannot run is answered with an ``error`` (``bad_config``) naming the
@@ -43,6 +45,7 @@ from hmp.errors import ConfigError, HmpError, RequestError
 from hmp.gadget.interface import ClusterSpec, HostSpec, PendingJob, Scheduler
 from hmp.gadget.model import ModelType, NetworkConstants, RingCostModel
 from hmp.jobs.core import ManagerCore, Start
+from hmp.jobs.ray_inventory import RayInventory
 from hmp.jobs.spec import JobSpec, load_job, loads_job, profile_compute_s, topology
 from hmp.messages import Ack, Kind, Message, Status, Submit
 from hmp.transport.endpoint import Server
@@ -66,7 +69,8 @@ class JobResult:
     start_s: float = float("nan")
     end_s: float = float("nan")
     placement: dict[str, int] = dataclasses.field(default_factory=dict)   # host -> workers
-    #: node id -> {"host": placed on, "ran_in": the emulated host its process was seen in ("" on loopback)}
+    #: node id -> {"host": placed on, "ran_in": the emulated host its process was seen in ("" on loopback); under
+    #: Ray: the host of the Ray node its actor ran on, and "ray_node": that node's id}
     nodes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     final_accuracy: float = float("nan")
     stop_reason: str = ""
@@ -142,8 +146,10 @@ class JobManager:
     """Runs submitted ring jobs on the slots of ``hosts`` (module docstring).
 
     ``hosts``: a hosts file (``[[hosts]] slots``, docs/emulate.md), an :class:`EmulatedHosts` (one already
-    started stays the caller's and may be shared), or None: one logical host ``local`` with ``slots`` slots
-    on this machine's loopback. ``emulate``: with a hosts file, run the jobs on emulated hosts (needs root)
+    started stays the caller's and may be shared), a :class:`~hmp.jobs.ray_inventory.RayInventory` (a Ray
+    cluster's nodes; the jobs run under Ray, with ``ray_options`` for each job's
+    :class:`~hmp.ray_engine.RayCluster`), or None: one logical host ``local`` with ``slots`` slots on this
+    machine's loopback. ``emulate``: with a hosts file, run the jobs on emulated hosts (needs root)
     or only count their slots and run on the loopback. ``scheduler``: a name (:func:`make_scheduler`) or a
     :class:`~hmp.gadget.interface.Scheduler`. ``cost``: the cost model the scheduler sees (and whose
     predictions the results carry); by default :data:`DEFAULT_NETWORK` on the hosts' links, and a job whose
@@ -156,10 +162,25 @@ class JobManager:
                  *, emulate: bool = True, slots: int = 2, cost: RingCostModel | None = None,
                  run_dir: str | os.PathLike = "runs/jobs", bind: str | None = None, port_base: int = 47400,
                  grace_s: float = 5.0, overrides: Mapping[str, Mapping[str, Any]] | None = None,
-                 on_event: Callable[[str, JobResult], None] | None = None, seed: int = 0) -> None:
+                 on_event: Callable[[str, JobResult], None] | None = None, seed: int = 0,
+                 ray_options: Mapping[str, Any] | None = None) -> None:
         self.emulated: EmulatedHosts | None = None
         self._own_hosts = False
-        if hosts is None:
+        #: the Ray cluster whose nodes are the hosts (None: not under Ray), and each node's RayHost by name
+        self.ray: RayInventory | None = None
+        self.ray_hosts: dict[str, Any] = {}
+        self.ray_options = dict(ray_options or {})
+        if isinstance(hosts, RayInventory):
+            self.ray = hosts
+            try:
+                ray_hosts = hosts.read()
+            except ValueError as exc:
+                hosts.close()
+                raise ConfigError(hosts.source, "hosts", str(exc)) from None
+            self.ray_hosts = {h.name: h for h in ray_hosts}
+            self.hosts_source = hosts.source
+            specs = ray_hosts  # name, slots, bandwidth_mbit: what cluster_spec reads
+        elif hosts is None:
             from hmp.emulate import HostSpec as EmuSpec
             specs = [EmuSpec("local", slots=slots)]
             self.hosts_source = "<local>"
@@ -184,7 +205,7 @@ class JobManager:
         self.on_event = on_event
         self.results: dict[str, JobResult] = {}
         self.specs: dict[str, JobSpec] = {}
-        self.clusters: dict[str, LocalCluster] = {}    # running jobs' clusters (tests kill a worker through them)
+        self.clusters: dict[str, Any] = {}  # running jobs' LocalCluster or RayCluster (tests kill workers with them)
         self._done: dict[str, asyncio.Future] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._ids = itertools.count(1)
@@ -216,7 +237,7 @@ class JobManager:
             self._server = Server(self.bind, {Kind.SUBMIT: self.on_submit, Kind.STATUS: self.on_status},
                                   name="job-manager")
             self.address = await self._server.start()
-        log.info("manager_started", hosts=self.hosts_source, slots=[h.slots for h in self.cluster.hosts],
+        log.info("manager_started", hosts=self.hosts_source, slots={h.name: h.slots for h in self.cluster.hosts},
                  scheduler=getattr(self.scheduler, "name", type(self.scheduler).__name__), address=self.address,
                  emulated=self.emulated is not None)
 
@@ -242,6 +263,8 @@ class JobManager:
         finally:
             if self.emulated is not None and self._own_hosts:
                 self.emulated.close()  # blocking on purpose: it must happen even if this task is cancelled again
+            if self.ray is not None:
+                self.ray.close()  # a Ray connection or instance the inventory made
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -321,7 +344,7 @@ class JobManager:
         result.placement = {h: n for h, n in zip(self.host_names, start.placement) if n}
         result.predicted_iteration_s = start.predicted_iteration_s
         self._event("job_started", result)
-        cluster: LocalCluster | None = None
+        cluster: Any = None
         port = 0
         try:
             job_dir = self.run_dir / jid
@@ -333,7 +356,14 @@ class JobManager:
             path.write_text(text)
             cfg = await asyncio.to_thread(job_mod.load, path)
             result.nodes = {n.id: {"host": n.host, "ran_in": ""} for n in cfg.nodes}
-            cluster = LocalCluster(cfg, hosts=self.emulated, grace_s=self.grace_s)
+            if self.ray is not None:
+                from hmp.ray_engine import RayCluster  # Ray: only when the hosts are a Ray cluster's
+
+                # The ring's scheduler relays heartbeats and reports: no CPU of its own, the slots are the workers'.
+                options = {"grace_s": self.grace_s, "num_cpus": {"scheduler": 0}, **self.ray_options}
+                cluster = RayCluster(cfg, **options)
+            else:
+                cluster = LocalCluster(cfg, hosts=self.emulated, grace_s=self.grace_s)
             async with cluster:
                 self.clusters[jid] = cluster
                 watch = asyncio.ensure_future(self._watch_namespaces(cluster, result))
@@ -342,6 +372,8 @@ class JobManager:
                 finally:
                     watch.cancel()
                     await asyncio.gather(watch, return_exceptions=True)
+            if self.ray is not None:
+                self._read_ray_placement(result, report)
             self._read_report(result, report)
             result.status = DONE
         except asyncio.CancelledError:
@@ -385,6 +417,14 @@ class JobManager:
                         link = os.readlink(f"/proc/{proc.pid}/ns/net")      # "net:[4026532345]"
                         result.nodes[nid]["ran_in"] = inode.get(int(link.split("[")[1].rstrip("]")), "")
             await asyncio.sleep(0.2)
+
+    def _read_ray_placement(self, result: JobResult, report: dict[str, Any]) -> None:
+        """Under Ray: the host (and Ray node) each daemon's actor really ran on, from the report's ``ray`` section."""
+        by_node = {h.ray_node: name for name, h in self.ray_hosts.items()}
+        for nid, where in report.get("ray", {}).get("nodes", {}).items():
+            if nid in result.nodes:
+                result.nodes[nid]["ran_in"] = by_node.get(str(where.get("ray_node")), "")
+                result.nodes[nid]["ray_node"] = str(where.get("ray_node", ""))
 
     @staticmethod
     def _read_report(result: JobResult, report: dict[str, Any]) -> None:

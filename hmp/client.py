@@ -14,6 +14,14 @@ buffer into its process's shared-memory arena once, at construction, so that a p
 the same host carries references instead of bytes, and the shard's reply comes back as views of
 its reply slots, released once written into the parameters. Other shards get frames as before.
 
+Row-sparse tables (an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``; docs/protocol.md,
+"Row-sparse tables"): a push sends a table's gradient as the rows its sparse gradient holds (ids
+relative to each chunk, with the row gradients), not the whole table, and asks for the rows of the
+client's next batch (``want``, ``{parameter name: row ids}``), which the reply carries and the client
+writes into its table. ``pull()`` still fetches everything; ``pull(rows=...)`` only those rows of the
+tables (and the dense chunks whole). One push or pull at a time: the rows a reply carries are matched
+to the ids the client last asked for of each chunk.
+
 CURVE (``[security] curve = true``; docs/security.md): a program outside the topology dials the
 shards with its own key of the job's key folder (``hmp-keygen DIR --client NAME``), either given
 (``security=Curve.load(DIR, NAME, serve=False)``) or, with :meth:`PSClient.from_config`, read from
@@ -24,7 +32,7 @@ request with :class:`~hmp.transport.security.HandshakeFailed` within ``handshake
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,13 +79,26 @@ class PSClient:
         self.shards = [(sid, Client(addr, **kw), tuple(sharded.assignment[i])) for i, (sid, addr) in enumerate(shards)]
         self._all_shards = list(self.shards)
         self._grads = sharded.grad_views()
+        layout = sharded.layout
+        #: row-sparse chunks by key, and each table's chunks in row order (``(first row, key)``)
+        self._row_chunks = {c.key: c for c in layout.chunks if c.dim}
+        self._table_chunks: dict[str, list[tuple[int, int]]] = {t.name: [] for t in layout.tables}
+        for c in self._row_chunks.values():
+            self._table_chunks[c.table].append((c.row0, c.key))
+        for chunks in self._table_chunks.values():
+            chunks.sort()
+        named = dict(sharded.model.named_parameters())
+        self._table_params = {name: named[name] for name in self._table_chunks}
+        self._wanted: dict[int, torch.Tensor] = {}  # chunk key -> the row ids last asked for (replies' rows)
         self._staging: dict[int, torch.Tensor] | None = None
         if device.type != "cpu":
             # CUDA gradients cross to the CPU explicitly, once per push, into pinned staging buffers.
-            self._staging = {k: torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for k, g in self._grads.items()}
+            self._staging = {k: torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for k, g in self._grads.items()
+                             if k not in self._row_chunks}
         self.version = 0
         self.bytes_out = 0
         self.bytes_in = 0
+        self.rows_pushed = 0  # rows of row-sparse tables pushed (each a row of its table's width)
 
     def _grads_into(self, arena: Arena) -> None:
         """The flat gradient buffers into ``arena`` (once; a model whose buffers are there already stays)."""
@@ -136,6 +157,60 @@ class PSClient:
     def model(self) -> torch.nn.Module:
         return self.sharded.model
 
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """The names of the model's row-sparse tables (empty for a dense model)."""
+        return tuple(self._table_chunks)
+
+    @property
+    def table_keys(self) -> tuple[int, ...]:
+        """The chunk keys of the row-sparse tables this client pulls and pushes."""
+        return tuple(k for k in self.keys if k in self._row_chunks)
+
+    def _split_rows(self, table: str, ids: torch.Tensor) -> list[tuple[int, torch.Tensor, slice]]:
+        """Sorted unique table row ids -> ``[(chunk key, chunk-relative ids, slice of ids)]`` for the chunks
+        holding any (a searchsorted over the chunks' first rows: the ids are sorted)."""
+        chunks = self._table_chunks[table]
+        starts = torch.tensor([r for r, _ in chunks], dtype=torch.int64)
+        cuts = torch.searchsorted(ids, starts).tolist() + [ids.numel()]
+        out = []
+        for i, (row0, key) in enumerate(chunks):
+            lo, hi = cuts[i], cuts[i + 1]
+            if hi > lo:
+                out.append((key, ids[lo:hi] - row0, slice(lo, hi)))  # relative ids: a small new tensor
+        return out
+
+    def _rows_by_chunk(self, rows: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``{table name: row ids}`` -> ``{chunk key: sorted unique chunk-relative ids}``."""
+        out: dict[int, torch.Tensor] = {}
+        for name, ids in rows.items():
+            if name not in self._table_chunks:
+                raise ValueError(f"{name!r} is not a row-sparse table of this model; its tables: {list(self.tables)}")
+            ids = torch.unique(torch.as_tensor(ids).reshape(-1).to("cpu", torch.int64))  # sorted, each once
+            for key, rel, _ in self._split_rows(name, ids):
+                out[key] = rel
+        return out
+
+    def _sparse_grads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The tables' gradients as ``{chunk key: (chunk-relative row ids, row gradients [k, dim])}``."""
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, p in self._table_params.items():
+            g = p.grad
+            if g is None:
+                continue  # no row of this table was looked up
+            if not g.is_sparse:
+                raise ValueError(f"row-sparse table {name!r} has a dense gradient; its module must be built with "
+                                 "sparse=True and its .grad left to autograd (FlatBuffers.zero_grad)")
+            # Coalescing copies: it sums the gradients of ids looked up more than once and sorts the ids,
+            # which the wire wants (strictly increasing); the values are then sliced per chunk without a copy.
+            g = g.coalesce()
+            ids, values = g.indices()[0], g.values()
+            if ids.device.type != "cpu":  # CUDA: the rows cross to the CPU (small; the dense part is staged)
+                ids, values = ids.cpu(), values.cpu()
+            for key, rel, part in self._split_rows(name, ids):
+                out[key] = (rel, values[part])
+        return out
+
     async def __aenter__(self) -> PSClient:
         await self.connect()
         return self
@@ -158,42 +233,79 @@ class PSClient:
                 # (the model's storage); the reply frames (or the shard's reply slot, in shared
                 # memory) are read-only and released once the reply is dropped after this.
                 self._params[k].copy_(v, non_blocking=False)
+            for k, v in zip(reply.row_keys, reply.row_values):
+                c, rows = self._row_chunks.get(k), self._wanted.get(k)
+                if c is None or rows is None or tuple(v.shape) != (rows.numel(), c.dim):
+                    raise ValueError(f"reply from {reply.sender or 'a shard'} carries rows of chunk {k} shaped "
+                                     f"{list(v.shape)}, which this client did not ask for")
+                view = self._params[k].view(-1, c.dim)
+                view.index_copy_(0, rows.to(view.device), v.to(view.device))  # the one copy, as above
+        self.bytes_in += sum(v.numel() * v.element_size() for v in reply.row_values)
         self.version = max(self.version, reply.version)
         if reply.sender:  # each shard's own clock: how far a shard that died had got (docs/protocol.md, "Shard restarts")
             self.shard_versions[reply.sender] = reply.version
         self.bytes_in += sum(v.numel() * v.element_size() for v in reply.values)
 
-    async def pull(self) -> None:
-        """Fetch every chunk's current value into the model's parameters."""
-        replies = await asyncio.gather(*(c.request(Pull(keys=keys)) for _, c, keys in self.shards if keys))
-        for r in replies:
+    async def pull(self, keys: Iterable[int] | None = None, rows: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Fetch chunks' current values into the model's parameters: every chunk (the default), the chunks
+        ``keys``, or with ``rows`` (``{table name: row ids}``) the dense chunks whole and only those rows of
+        the row-sparse tables (a table not named is not fetched)."""
+        wanted = set(self.keys if keys is None else keys)
+        by_chunk: dict[int, torch.Tensor] = {}
+        if rows is not None:
+            wanted -= set(self._row_chunks)
+            by_chunk = self._rows_by_chunk(rows)
+            self._wanted.update(by_chunk)
+        requests = []
+        for _, c, ks in self.shards:
+            whole = tuple(k for k in ks if k in wanted)
+            row_keys = tuple(k for k in ks if k in by_chunk)
+            if whole or row_keys:
+                requests.append(c.request(Pull(keys=whole, row_keys=row_keys,
+                                               rows=tuple(by_chunk[k] for k in row_keys))))
+        for r in await asyncio.gather(*requests):
             self._write(r)
 
-    async def push(self, samples: int = 0, seq: int = 0) -> int:
-        """Send the flat gradient buffer's chunks to their shards; apply the new values. Returns the version.
-        ``seq``: the push's number (messages.Push; a retry sends the same, and a shard applies it once)."""
-        for r in await asyncio.gather(*self.push_requests(samples, seq)):
+    async def push(self, samples: int = 0, seq: int = 0, want: Mapping[str, torch.Tensor] | None = None) -> int:
+        """Send the flat gradient buffer's chunks to their shards (a row-sparse table's: the rows of its
+        sparse gradient); apply the new values. Returns the version. ``seq``: the push's number
+        (messages.Push; a retry sends the same, and a shard applies it once). ``want``: ``{table name: row
+        ids}`` whose new values the replies carry too (the next batch's rows)."""
+        for r in await asyncio.gather(*self.push_requests(samples, seq, want)):
             self._write(r)
         return self.version
 
-    def push_requests(self, samples: int = 0, seq: int = 0) -> list[Coroutine[Any, Any, Message]]:
+    def push_requests(self, samples: int = 0, seq: int = 0,
+                      want: Mapping[str, torch.Tensor] | None = None) -> list[Coroutine[Any, Any, Message]]:
         """The requests of :meth:`push`, one per shard holding keys, not yet sent (they send when first
         run); each returns its shard's ``params`` reply, which :meth:`write` applies. Until every reply
         has arrived the gradient buffer must not be written (the frames are its own memory)."""
         grads = self._grads
         if self._staging is not None:
-            for k, g in grads.items():
-                self._staging[k].copy_(g, non_blocking=True)
+            for k, g in self._staging.items():
+                g.copy_(grads[k], non_blocking=True)
             torch.cuda.synchronize()
             grads = self._staging
+        rows = self._sparse_grads() if self._row_chunks else {}
+        wanted = self._rows_by_chunk(want) if want else {}
+        self._wanted.update(wanted)
         # The gradient buffer is not touched again before the replies arrive, and a reply implies
         # the request was fully received, so the zero-copy send needs no tracker here.
         reqs = []
         for _, c, keys in self.shards:
-            if keys:
-                g = tuple(grads[k] for k in keys)
-                self.bytes_out += sum(t.numel() * t.element_size() for t in g)
-                reqs.append(c.request(Push(keys=keys, grads=g, version=self.version, samples=samples, seq=seq)))
+            if not keys:
+                continue
+            dense = tuple(k for k in keys if k not in self._row_chunks)
+            g = tuple(grads[k] for k in dense)
+            row_keys = tuple(k for k in keys if k in rows)
+            ids = tuple(rows[k][0] for k in row_keys)
+            row_grads = tuple(rows[k][1] for k in row_keys)
+            want_keys = tuple(k for k in keys if k in wanted)
+            self.bytes_out += sum(t.numel() * t.element_size() for t in (*g, *ids, *row_grads))
+            self.rows_pushed += sum(r.numel() for r in ids)
+            reqs.append(c.request(Push(keys=dense, grads=g, version=self.version, samples=samples, seq=seq,
+                                       row_keys=row_keys, rows=ids, row_grads=row_grads, want_keys=want_keys,
+                                       want_rows=tuple(wanted[k] for k in want_keys))))
         return reqs
 
     def write(self, reply: Message) -> None:

@@ -6,7 +6,7 @@ Nothing here downloads anything. Sources:
 * ``click``   synthetic click-through data with hashed categorical ids (``generate_click_data``).
 * ``sparse``  synthetic sparse high-dimensional classification (``generate_sparse_classification``).
 * ``synthetic`` synthetic dense classification from a hidden nonlinear teacher (``generate_dense_classification``).
-* ``svmlight`` a local LIBSVM/svmlight text file (``load_svmlight``).
+* ``svmlight`` a local LIBSVM/svmlight text file (``load_svmlight``): dense, or (``sparse=True``) CSR rows.
 * ``npz``     a local ``.npz`` with arrays ``x``, ``y`` and optionally ``x_test``, ``y_test`` (``load_npz``).
 
 Every loader returns a :class:`Dataset`; :func:`load_dataset` picks one from a spec (or calls a user's
@@ -22,7 +22,9 @@ batch size that may change between batches (the scheduler resizes batches while 
 
 Tensor conventions: features ``x`` are float32 ``[N, F]`` (or ``[N, ...]``, e.g. images ``[N, C, H, W]``)
 or, for categorical data, int64 bucket ids ``[N, fields]``; labels ``y`` are int64 ``[N]`` in
-``0..num_classes-1``.
+``0..num_classes-1``. Sparse features are :class:`CSRRows` (never densified), whose batch ``x[idx]`` is a
+:class:`CSRBatch` in the ``nn.EmbeddingBag`` convention (``indices``, ``offsets``, ``values``): what a
+sparse-input model's ``forward`` takes.
 """
 
 from __future__ import annotations
@@ -42,27 +44,296 @@ from torch import Tensor
 
 
 @dataclass(frozen=True, eq=False)
+class CSRBatch:
+    """A batch of sparse rows as a sparse-input model receives it (``x[idx]`` of :class:`CSRRows`).
+
+    The ``nn.EmbeddingBag`` convention: row ``b``'s features are ``indices[offsets[b]:offsets[b + 1]]``
+    (the last row's run to the end) with weights ``values`` at the same positions, so that
+    ``bag(batch.indices, batch.offsets, per_sample_weights=batch.values)`` with ``mode="sum"`` is the
+    batch times the bag's weight. ``indices`` int64 ``[nnz]`` in ``[0, num_features)``, increasing within
+    a row; ``offsets`` int64 ``[B]``; ``values`` float32 ``[nnz]``.
+    """
+
+    indices: Tensor
+    offsets: Tensor
+    values: Tensor
+    num_features: int
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(B, num_features)``: the batch's shape as a dense matrix (for messages)."""
+        return torch.Size((len(self.offsets), self.num_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The values' dtype (for messages)."""
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> CSRBatch:
+        """The batch on ``device`` (tensors already there are not copied)."""
+        return CSRBatch(self.indices.to(device, non_blocking=non_blocking),
+                        self.offsets.to(device, non_blocking=non_blocking),
+                        self.values.to(device, non_blocking=non_blocking), self.num_features)
+
+    def to_dense(self) -> Tensor:
+        """The batch as a dense float ``[B, num_features]`` matrix (tests and small checks; not the data path)."""
+        lengths = torch.diff(self.offsets, append=self.offsets.new_tensor([len(self.indices)]))
+        rows = torch.repeat_interleave(torch.arange(len(self.offsets), device=self.indices.device), lengths)
+        out = torch.zeros(len(self.offsets), self.num_features, dtype=self.values.dtype, device=self.values.device)
+        out[rows, self.indices] = self.values
+        return out
+
+
+class CSRRows:
+    """Rows of a sparse matrix in CSR form: what ``Dataset.x_train`` / ``x_test`` hold for ``[data] sparse``.
+
+    ``indptr`` int64 ``[M + 1]`` (from 0; row ``i`` of the matrix is ``indptr[i]:indptr[i + 1]`` of the
+    others), ``indices`` int64 ``[nnz]`` (column numbers in ``[0, num_features)``, increasing within a
+    row), ``values`` float32 ``[nnz]``. ``rows`` (int64 ``[N]``, optional): these rows are those rows of
+    the matrix, in that order (a train or test split sharing the file's arrays: no copy); None: all
+    ``M`` rows in order (compact). It answers what hmp asks of a feature tensor ``x``: ``len``, ``shape``
+    ``(N, num_features)``, ``x[idx]`` with an int64 index tensor (a batch: a :class:`CSRBatch`, gathered
+    without a per-row loop), ``x[a:b]`` (rows ``a..b-1`` as CSRRows, sharing the arrays), ``.to(device)``
+    and ``.clone()`` (a compact copy). Nothing here densifies the rows except :meth:`to_dense`.
+    """
+
+    __slots__ = ("indptr", "indices", "values", "num_features", "rows")
+
+    def __init__(self, indptr: Tensor, indices: Tensor, values: Tensor, num_features: int,
+                 rows: Tensor | None = None) -> None:
+        if indptr.dtype != torch.int64 or indices.dtype != torch.int64 or not values.is_floating_point():
+            raise ValueError(f"CSRRows: expected int64 indptr and indices and float values, got {indptr.dtype}, "
+                             f"{indices.dtype}, {values.dtype}")
+        if indptr.dim() != 1 or len(indptr) < 1 or indices.dim() != 1 or values.shape != indices.shape:
+            raise ValueError(f"CSRRows: expected indptr [M+1], indices [nnz] and values [nnz], got "
+                             f"{list(indptr.shape)}, {list(indices.shape)}, {list(values.shape)}")
+        if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1):
+            raise ValueError(f"CSRRows: expected int64 rows [N], got {rows.dtype}{list(rows.shape)}")
+        if not isinstance(num_features, (int, np.integer)) or num_features < 0:
+            raise ValueError(f"CSRRows: num_features must be an int >= 0, got {num_features!r}")
+        self.indptr, self.indices, self.values, self.num_features = indptr, indices, values, int(num_features)
+        self.rows = rows
+
+    @classmethod
+    def from_scipy(cls, matrix: Any, rows: np.ndarray | Tensor | None = None) -> CSRRows:
+        """A scipy CSR matrix's rows (``rows``: only those, in that order). ``values`` and (where scipy
+        holds them as int64) ``indices`` share the matrix's arrays: no copy of the nonzeros."""
+        import scipy.sparse as sp
+
+        if not sp.issparse(matrix) or matrix.format != "csr":
+            raise ValueError(f"CSRRows.from_scipy: expected a scipy CSR matrix, got {type(matrix).__name__}")
+        if not matrix.has_canonical_format:
+            matrix = matrix.copy()
+            matrix.sum_duplicates()  # sorts the indices too
+        if rows is not None:
+            rows = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        return cls(torch.from_numpy(np.asarray(matrix.indptr, dtype=np.int64)),
+                   torch.from_numpy(np.asarray(matrix.indices, dtype=np.int64)),
+                   torch.from_numpy(np.asarray(matrix.data, dtype=np.float32)), matrix.shape[1], rows)
+
+    @classmethod
+    def from_dense(cls, x: Tensor) -> CSRRows:
+        """The nonzeros of a dense float ``[N, F]`` matrix (tests and small data)."""
+        if x.dim() != 2:
+            raise ValueError(f"CSRRows.from_dense: expected [N, F], got {list(x.shape)}")
+        rows, cols = torch.nonzero(x, as_tuple=True)
+        indptr = torch.zeros(len(x) + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(torch.bincount(rows, minlength=len(x)), 0)
+        return cls(indptr, cols.to(torch.int64), x[rows, cols].to(torch.float32), x.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.indptr) - 1 if self.rows is None else len(self.rows)
+
+    def __repr__(self) -> str:
+        return f"CSRRows({len(self)} x {self.num_features}, nnz={self.nnz}, {self.values.dtype}, {self.device})"
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(N, num_features)``: the rows' shape as a dense matrix."""
+        return torch.Size((len(self), self.num_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The values' dtype."""
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def compact(self) -> bool:
+        """Whether the arrays hold exactly these rows, in order (no ``rows``)."""
+        return self.rows is None
+
+    @property
+    def nnz(self) -> int:
+        """Stored values (nonzeros) in these rows."""
+        if self.rows is None:
+            return int(self.indptr[-1] - self.indptr[0])
+        return int((self.indptr[self.rows + 1] - self.indptr[self.rows]).sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the arrays hold (all of them: a split shares its file's arrays with the other split)."""
+        held = (self.indptr, self.indices, self.values) + (() if self.rows is None else (self.rows,))
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def dim(self) -> int:
+        return 2
+
+    def __getitem__(self, key: Any) -> CSRRows | CSRBatch:
+        """``x[a:b]``: those rows as CSRRows (sharing the arrays); ``x[idx]`` (a 1-D int64 tensor, or anything
+        ``torch.as_tensor`` makes one of): those rows, in that order, as a CSRBatch."""
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError(f"CSRRows: slices must be contiguous (step 1), got step {step}")
+            stop = max(start, stop)
+            if self.rows is not None:
+                return CSRRows(self.indptr, self.indices, self.values, self.num_features, self.rows[start:stop])
+            base = self.indptr[start]
+            lo, hi = int(base), int(self.indptr[stop])
+            return CSRRows(self.indptr[start:stop + 1] - base, self.indices[lo:hi], self.values[lo:hi],
+                           self.num_features)
+        offsets, positions = self._gather(key)
+        return CSRBatch(self.indices[positions], offsets, self.values[positions], self.num_features)
+
+    def take(self, rows: Any) -> CSRRows:
+        """Rows ``rows`` (in that order) as new compact CSRRows: a copy of their indices and values."""
+        offsets, positions = self._gather(rows)
+        indptr = torch.cat([offsets, offsets.new_tensor([len(positions)])])
+        return CSRRows(indptr, self.indices[positions], self.values[positions], self.num_features)
+
+    def _gather(self, rows: Any) -> tuple[Tensor, Tensor]:
+        """For rows ``rows``: each one's start in the gathered arrays (``offsets``), and the positions in
+        ``indices``/``values`` to gather, vectorised: every row's run ``indptr[r]..indptr[r + 1]`` is the
+        arange of the batch's nonzeros shifted by (its start there - its start here)."""
+        idx = rows if isinstance(rows, Tensor) else torch.as_tensor(np.asarray(rows))
+        if idx.dim() != 1 or (idx.dtype not in (torch.int64, torch.int32) and idx.numel()):
+            raise IndexError(f"CSRRows: index rows with a slice or a 1-D integer tensor, got "
+                             f"{idx.dtype}{list(idx.shape)}")
+        idx = idx.to(device=self.indptr.device, dtype=torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            raise IndexError(f"CSRRows: row index out of range [0, {len(self)}): {int(idx.min())}..{int(idx.max())}")
+        if self.rows is not None:
+            idx = self.rows[idx]
+        starts = self.indptr[idx]
+        lengths = self.indptr[idx + 1] - starts
+        ends = torch.cumsum(lengths, 0)
+        offsets = ends - lengths
+        total = int(ends[-1]) if len(ends) else 0
+        shift = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
+        return offsets, shift + torch.arange(total, device=idx.device)
+
+    def as_batch(self) -> CSRBatch:
+        """All the rows as one CSRBatch: views when compact, else gathered (e.g. a slice of the test set for
+        evaluation)."""
+        if self.rows is not None:
+            return self[torch.arange(len(self), device=self.indptr.device)]
+        return CSRBatch(self.indices, self.indptr[:-1] - self.indptr[0], self.values, self.num_features)
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> CSRRows:
+        """The rows on ``device``."""
+        return CSRRows(self.indptr.to(device, non_blocking=non_blocking),
+                       self.indices.to(device, non_blocking=non_blocking),
+                       self.values.to(device, non_blocking=non_blocking), self.num_features,
+                       None if self.rows is None else self.rows.to(device, non_blocking=non_blocking))
+
+    def clone(self) -> CSRRows:
+        """A compact copy that owns its memory (a slice's clone no longer holds the whole set alive)."""
+        if self.rows is not None:
+            return self.take(torch.arange(len(self), device=self.indptr.device))
+        return CSRRows(self.indptr.clone(), self.indices.clone(), self.values.clone(), self.num_features)
+
+    def to_dense(self) -> Tensor:
+        """The rows as a dense float ``[N, num_features]`` matrix (tests and small checks; not the data path)."""
+        return self.as_batch().to_dense()
+
+    def fault(self) -> str | None:
+        """Why these arrays are not CSR rows (None: they are): indptr from 0 to nnz, never decreasing; columns
+        in ``[0, num_features)``, increasing within each row; finite values; ``rows`` in range. Linear in nnz."""
+        p, nnz = self.indptr, len(self.values)
+        if int(p[0]) != 0 or int(p[-1]) != nnz:
+            return f"indptr runs from {int(p[0])} to {int(p[-1])}; expected 0 to nnz={nnz}"
+        if len(p) > 1 and bool((p[1:] < p[:-1]).any()):
+            return "indptr decreases"
+        rows = self.rows
+        if rows is not None and len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(p) - 1):
+            return f"rows span {int(self.rows.min())}..{int(self.rows.max())}; expected [0, {len(p) - 1})"
+        if nnz:
+            if int(self.indices.min()) < 0 or int(self.indices.max()) >= self.num_features:
+                return (f"column indices span {int(self.indices.min())}..{int(self.indices.max())}; expected "
+                        f"[0, {self.num_features})")
+            step = self.indices[1:] - self.indices[:-1]
+            row_start = torch.zeros(nnz, dtype=torch.bool, device=step.device)
+            row_start[p[:-1][p[:-1] < nnz]] = True
+            if bool(((step <= 0) & ~row_start[1:]).any()):
+                return "column indices do not increase within a row"
+            if not bool(torch.isfinite(self.values).all()):
+                return "values hold NaN or infinity"
+        return None
+
+
+def is_sparse(x: Any) -> bool:
+    """Whether ``x`` (a dataset's features, or a batch of them) is sparse rows (:class:`CSRRows`, :class:`CSRBatch`)."""
+    return isinstance(x, (CSRRows, CSRBatch))
+
+
+def take_rows(x: Tensor | CSRRows, rows: Tensor) -> Tensor | CSRRows:
+    """Rows ``rows`` of ``x`` as the same kind of thing (``x[rows]`` for a tensor; CSRRows for CSR rows, whose
+    ``x[rows]`` is a model's batch instead): for a part of the data that is batched again (a Hogwild unit)."""
+    return x.take(rows) if isinstance(x, CSRRows) else x[rows]
+
+
+def whole_batch(x: Tensor | CSRRows) -> Tensor | CSRBatch:
+    """``x`` as a model takes it: a dense tensor as it is, CSR rows as one :class:`CSRBatch` (views, no copy).
+    For code that hands a model a slice ``x[a:b]`` of a dataset's features (evaluation, warm-up passes)."""
+    return x.as_batch() if isinstance(x, CSRRows) else x
+
+
+@dataclass(frozen=True, eq=False)
 class Dataset:
     """A train/test split. ``label_values[c]`` is the original label of class ``c`` (when remapped).
 
     ``x`` has one row per example and any shape per example (``[N, F]`` features, ``[N, C, H, W]``
-    images, ...); train and test agree on it. A partial load (:func:`load_dataset` with ``part`` or
+    images, ...); train and test agree on it. Sparse data (``[data] sparse``) holds :class:`CSRRows`
+    in both ``x_train`` and ``x_test`` instead. A partial load (:func:`load_dataset` with ``part`` or
     ``share``) holds rows ``[train_offset, train_offset + len(y_train))`` of a training split of
-    ``train_total`` rows (None: all of it), and possibly no test rows.
+    ``train_total`` rows (None: all of it), and possibly no test rows. ``stats``: the statistics a
+    standardized dataset was scaled by (another part of the same data is scaled alike with them).
     """
 
-    x_train: Tensor
+    x_train: Tensor | CSRRows
     y_train: Tensor
-    x_test: Tensor
+    x_test: Tensor | CSRRows
     y_test: Tensor
     name: str
     num_classes: int
     label_values: tuple[float, ...] = ()
     train_offset: int = 0
     train_total: int | None = None
+    stats: FeatureStats | None = None  # standardized: the training split's statistics it was scaled by
 
     def __post_init__(self) -> None:
+        if isinstance(self.x_train, CSRRows) != isinstance(self.x_test, CSRRows):
+            raise ValueError(f"dataset {self.name!r}: x_train is {type(self.x_train).__name__} but x_test is "
+                             f"{type(self.x_test).__name__}; expected both CSRRows (sparse) or both tensors")
         for xs, ys, part in ((self.x_train, self.y_train, "train"), (self.x_test, self.y_test, "test")):
+            if isinstance(xs, CSRRows):
+                if ys.dim() != 1 or len(xs) != ys.shape[0] or ys.dtype != torch.int64:
+                    raise ValueError(f"dataset {self.name!r} {part}: expected int64 y [N] for {len(xs)} CSR rows, got "
+                                     f"{ys.dtype}{list(ys.shape)}")
+                if xs.dtype != torch.float32:
+                    raise ValueError(f"dataset {self.name!r} {part}: expected float32 CSR values, got {xs.dtype}")
+                continue
             if xs.dim() < 2 or ys.dim() != 1 or xs.shape[0] != ys.shape[0]:
                 raise ValueError(
                     f"dataset {self.name!r} {part}: expected x [N, F] (or [N, ...]) and y [N], got {list(xs.shape)} "
@@ -87,6 +358,11 @@ class Dataset:
     def n_train(self) -> int:
         """Rows of the whole training split (a partial load holds only some of them)."""
         return len(self.y_train) if self.train_total is None else self.train_total
+
+    @property
+    def sparse(self) -> bool:
+        """Whether ``x`` is sparse rows (:class:`CSRRows`; a batch ``x[idx]`` is then a :class:`CSRBatch`)."""
+        return isinstance(self.x_train, CSRRows)
 
 
 class LoaderArgumentsError(ValueError):
@@ -478,32 +754,222 @@ def _label_classes(path: str | Path, *ys: np.ndarray) -> tuple[list[np.ndarray],
     return mapped, tuple(int(v) for v in values)
 
 
+@dataclass(frozen=True, eq=False)
+class _SvmlightIndex:
+    """Where a file's examples are, from a pass that reads every line but parses only its label and its first and
+    last feature index (indices increase within a line): byte ``offsets`` and ``lengths``, line ``numbers``,
+    ``labels``, and the file's lowest and highest feature index."""
+
+    offsets: np.ndarray
+    lengths: np.ndarray
+    numbers: np.ndarray
+    labels: np.ndarray
+    lowest: int
+    highest: int
+
+
+def _svmlight_index(path: str | Path) -> _SvmlightIndex | None:
+    """The examples of an svmlight file (see :class:`_SvmlightIndex`); None for anything the quick pass does not
+    read with certainty (a malformed line, multi-label targets, no feature at all): the caller then parses the
+    file whole, which finds and names the fault."""
+    import array
+
+    # array.array, not lists: 8 bytes an entry rather than a Python object each.
+    offsets, lengths, numbers, labels = array.array("q"), array.array("q"), array.array("q"), array.array("d")
+    lowest, highest, pos = None, -1, 0
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                content = raw.split(b"#", 1)[0]
+                head = content.split(None, 2)
+                if head:
+                    label = float(head[0])
+                    first = head[1] if len(head) > 1 and not head[1].startswith(b"qid:") else (
+                        head[2].split(None, 1)[0] if len(head) > 2 else None)
+                    if first is not None:  # else a row without features
+                        low, high = int(first.split(b":", 1)[0]), int(content.rsplit(None, 1)[-1].split(b":", 1)[0])
+                        lowest = low if lowest is None else min(lowest, low)
+                        highest = max(highest, high)
+                    offsets.append(pos)
+                    lengths.append(len(raw))
+                    numbers.append(number)
+                    labels.append(label)
+                pos += len(raw)
+    except (ValueError, IndexError, OSError):
+        return None
+    if not offsets or lowest is None or lowest < 0:
+        return None
+    return _SvmlightIndex(np.frombuffer(offsets, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64),
+                          np.frombuffer(numbers, dtype=np.int64), np.frombuffer(labels, dtype=np.float64), lowest,
+                          highest)
+
+
+#: A part of an svmlight file is parsed in pieces of about this many bytes of text, so that the text of the part
+#: is never in memory at once (the text is several times the size of the CSR arrays it parses to).
+_SVMLIGHT_PIECE_BYTES = 8 << 20
+
+
+def _svmlight_rows(path: str | Path, index: _SvmlightIndex, rows: np.ndarray, n_features: int, zero_based: bool):
+    """Examples ``rows`` (in that order) of an indexed file, and only they, parsed by scikit-learn from their byte
+    ranges, a piece of :data:`_SVMLIGHT_PIECE_BYTES` at a time: scipy CSR float32. A line that does not parse or
+    holds NaN/infinity is named by its line number."""
+    import io
+
+    import scipy.sparse as sp
+    from sklearn.datasets import load_svmlight_file
+
+    if len(rows) == 0:
+        return sp.csr_matrix((0, n_features), dtype=np.float32)
+    ends = np.cumsum(index.lengths[rows])  # bytes of text up to the end of each row's line
+    pieces = []
+    with open(path, "rb") as f:
+        start = 0
+        while start < len(rows):
+            done = int(ends[start - 1]) if start else 0
+            stop = max(start + 1, int(np.searchsorted(ends, done + _SVMLIGHT_PIECE_BYTES, side="right")))
+            part = rows[start:stop]
+            text = io.BytesIO()
+            for r in part:
+                f.seek(int(index.offsets[r]))
+                text.write(f.read(int(index.lengths[r])).rstrip(b"\r\n") + b"\n")
+            text.seek(0)
+            try:
+                x, _ = load_svmlight_file(text, n_features=n_features, dtype=np.float32, zero_based=zero_based)
+            except ValueError as exc:
+                raise ValueError(_svmlight_piece_fault(path, index, part, text, exc)) from None
+            if x.shape[0] != len(part):
+                raise ValueError(f"{path}: {x.shape[0]} examples parsed from {len(part)} lines; expected one per line")
+            if not np.isfinite(x.data).all():
+                row = int(np.searchsorted(x.indptr, int(np.flatnonzero(~np.isfinite(x.data))[0]), side="right") - 1)
+                content = text.getvalue().split(b"\n")[row].split(b"#", 1)[0].strip()
+                why = _svmlight_line_fault(content) or "a value overflows float32"
+                raise ValueError(f"{path} line {int(index.numbers[part[row]])}: {why}; expected {SVMLIGHT_LINE}")
+            del text
+            pieces.append(x)
+            start = stop
+    return pieces[0] if len(pieces) == 1 else sp.vstack(pieces, format="csr")
+
+
+def _svmlight_piece_fault(path: str | Path, index: _SvmlightIndex, part: np.ndarray, text: Any, exc: Exception) -> str:
+    """Where and why a piece of a file's lines (``part``, their ``text``) does not parse."""
+    for r, line in zip(part, text.getvalue().split(b"\n")):
+        content = line.split(b"#", 1)[0].strip()
+        why = _svmlight_line_fault(content)
+        if why is not None:
+            shown = content[:60].decode(errors="replace") + ("..." if len(content) > 60 else "")
+            return f"{path} line {int(index.numbers[r])}: {why}; expected {SVMLIGHT_LINE}, got {shown!r}"
+    return f"{path}: not valid svmlight/LIBSVM data: {exc}"
+
+
+def _load_svmlight_part(path: str | Path, n_features: int | None, test_path: str | Path | None,
+                        test_fraction: float, seed: int, part: str, share: tuple[int, int] | None):
+    """A part of an svmlight dataset, parsing only its lines (see :func:`load_svmlight`): ``(x_train, y_train,
+    x_test, y_test, label_values, offset, n_train)`` with scipy CSR features, or None when the quick index pass
+    cannot be trusted with the files (the caller parses them whole)."""
+    index = _svmlight_index(path)
+    test_index = _svmlight_index(test_path) if test_path is not None and index is not None else None
+    if index is None or (test_path is not None and test_index is None):
+        return None
+    indexes = [index] + ([test_index] if test_index is not None else [])
+    zero_based = min(i.lowest for i in indexes) == 0  # scikit-learn's rule: one-based unless an index 0 appears
+    inferred = max(i.highest for i in indexes) + (1 if zero_based else 0)
+    if n_features is not None and n_features < inferred:
+        return None  # the whole parse names the conflict
+    if test_index is not None:
+        (ytr, yte), values = _label_classes(path, index.labels, test_index.labels)
+        tr, te = np.arange(len(ytr)), np.arange(len(yte))
+    else:
+        (ytr,), values = _label_classes(path, index.labels)
+        tr, te, _, _ = _split(np.arange(len(ytr)), ytr, test_fraction, seed)
+        yte = ytr
+    keep_tr, keep_te, offset = _rows_of(tr, te, part, share)
+    features = n_features if n_features is not None else inferred
+    x_tr = _svmlight_rows(path, index, keep_tr, features, zero_based)
+    x_te = _svmlight_rows(test_path if test_index is not None else path, test_index or index, keep_te, features,
+                          zero_based)
+    return x_tr, ytr[keep_tr], x_te, yte[keep_te], values, offset, len(tr)
+
+
 def load_svmlight(
     path: str | Path,
     n_features: int | None = None,
     *,
+    sparse: bool = False,
     test_path: str | Path | None = None,
     test_fraction: float = 0.2,
     seed: int = 0,
+    part: str = "all",
+    share: tuple[int, int] | None = None,
 ) -> Dataset:
-    """A LIBSVM/svmlight text file as a dense float32 dataset ``[N, n_features]``.
+    """A LIBSVM/svmlight text file as a float32 dataset: dense ``[N, n_features]``, or with ``sparse``
+    :class:`CSRRows` (never densified: a batch is a :class:`CSRBatch`).
 
     Labels are mapped to ``0..C-1`` in sorted order (``-1/+1 -> 0/1``, ``1..C -> 0..C-1``);
     ``Dataset.label_values`` records the original label of each class. Indices are read as
     one-based unless the file contains index 0. With ``test_path`` the test set is read
     from that file (same feature count and label mapping); otherwise ``test_fraction`` of
-    the rows is split off, seeded. An empty file, a line that does not parse and a NaN or
-    infinite value raise ValueError naming the file and the line number.
+    the rows is split off, seeded (the same split, rows and order, dense or sparse). ``share`` or
+    ``part="test"`` (see :func:`load_dataset`): a quick pass reads each line's label and first and last
+    feature index only (the split, the index base and the feature count need every line's), then
+    scikit-learn parses only the kept lines, from their byte ranges; only those lines are checked
+    (a whole load, as the launcher's, checks every line). Where the quick pass cannot be sure of a
+    file (multi-label targets, a malformed line), the file is parsed whole and cut. An empty file, a
+    line that does not parse and a NaN or infinite value raise ValueError naming the file and the line
+    number.
     """
+    if share is not None or part == "test":
+        got = _load_svmlight_part(path, n_features, test_path, test_fraction, seed, part, share)
+        if got is not None:
+            x_tr, y_tr, x_te, y_te, values, offset, n_train = got
+            if sparse:
+                out = Dataset(CSRRows.from_scipy(x_tr), torch.from_numpy(y_tr), CSRRows.from_scipy(x_te),
+                              torch.from_numpy(y_te), Path(path).stem, len(values), values)
+            else:
+                out = _dataset(Path(path).stem, len(values), x_tr.toarray(), x_te.toarray(), y_tr, y_te, values)
+            return dataclasses.replace(out, train_offset=offset, train_total=n_train)
     if test_path is not None:
         x, y, xt, yt = _read_svmlight([path, test_path], n_features)
         (ytr, yte), values = _label_classes(path, y, yt)
-        xtr, xte = x.toarray(), xt.toarray()
+        tr, te = np.arange(len(ytr)), np.arange(len(yte))
     else:
         x, y = _read_svmlight([path], n_features)
         (ym,), values = _label_classes(path, y)
-        xtr, xte, ytr, yte = _split(x.toarray(), ym, test_fraction, seed)
-    return _dataset(Path(path).stem, len(values), xtr, xte, ytr, yte, values)
+        del y
+        tr, te, _, _ = _split(np.arange(len(ym)), ym, test_fraction, seed)  # the rows only: no copy of x yet
+        xt, ytr, yte = x, ym, ym
+    keep_tr, keep_te, offset = _rows_of(tr, te, part, share)
+    if sparse:
+        # The splits are row lists over the parsed file's arrays (no copy: a daemon holds the file's nonzeros
+        # once, as scikit-learn's loader does); a share or the test set alone is copied out compact, so
+        # that the rest of the file is freed.
+        whole = part != "test" and share is None
+        pool_tr = CSRRows.from_scipy(x)
+        pool_te = pool_tr if xt is x else CSRRows.from_scipy(xt)
+        del x, xt
+        x_tr = _csr_rows(pool_tr, keep_tr, copy=not whole)
+        x_te = _csr_rows(pool_te, keep_te, copy=part == "test")
+        del pool_tr, pool_te
+        out = Dataset(x_tr, torch.from_numpy(ytr[keep_tr]), x_te, torch.from_numpy(yte[keep_te]), Path(path).stem,
+                      len(values), values)
+    else:
+        # Only the kept rows are made dense (a worker's share, not the whole file).
+        x_tr, x_te = x[keep_tr], xt[keep_te]
+        del x, xt
+        out = _dataset(Path(path).stem, len(values), x_tr.toarray(), x_te.toarray(), ytr[keep_tr], yte[keep_te],
+                       values)
+    return out if part == "all" and share is None else dataclasses.replace(out, train_offset=offset,
+                                                                           train_total=len(tr))
+
+
+def _csr_rows(pool: CSRRows, rows: np.ndarray, copy: bool) -> CSRRows:
+    """Rows ``rows`` of compact ``pool``: a compact copy (``copy``), else a view of its arrays (``pool`` itself
+    when ``rows`` are all of its rows in order)."""
+    if copy or len(rows) == 0:
+        return pool.take(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)))
+    if len(rows) == len(pool) and bool(np.all(rows == np.arange(len(pool)))):
+        return pool
+    return CSRRows(pool.indptr, pool.indices, pool.values, pool.num_features,
+                   torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)))
 
 
 def _npz_arrays(path: str | Path) -> dict[str, np.ndarray]:
@@ -537,7 +1003,9 @@ def _npz_arrays(path: str | Path) -> dict[str, np.ndarray]:
                     if math.prod(shape) == 0:
                         arrays[name] = np.empty(shape, dtype=dtype)
                     else:
-                        arrays[name] = np.memmap(p, dtype=dtype, mode="r", offset=raw.tell(), shape=shape,
+                        # Copy-on-write ("c"): tensors over the map may be written (standardize scales in
+                        # place) without touching the file; pages not written stay shared with the page cache.
+                        arrays[name] = np.memmap(p, dtype=dtype, mode="c", offset=raw.tell(), shape=shape,
                                                  order="F" if fortran else "C")
                 else:
                     with zf.open(info) as member:
@@ -559,6 +1027,17 @@ def _nonfinite_row(x: np.ndarray, rows: np.ndarray | None = None, block: int = 6
         if bad.any():
             return int(idx[int(np.argmax(bad))])
     return None
+
+
+def _rows_view(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]``: a view when ``rows`` are consecutive (of a memory-mapped array: its pages, read when touched and
+    shared through the page cache by every process on the host that maps the file), else a gathered copy."""
+    if len(rows) == 0:
+        return a[:0]
+    lo, hi = int(rows[0]), int(rows[-1]) + 1
+    if hi - lo == len(rows) and bool(np.all(np.diff(rows) == 1)):
+        return a[lo:hi]
+    return a[rows]
 
 
 def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0, part: str = "all",
@@ -620,8 +1099,8 @@ def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0, par
         if bad is not None:
             raise ValueError(f"{path}: array {key!r} row {bad} holds NaN or infinity; expected finite features")
     try:
-        out = _dataset(Path(path).stem, num_classes, arrays[x_key][train_rows], arrays[xt_key][test_rows],
-                       y_all[train_rows], y_test_all[test_rows])
+        out = _dataset(Path(path).stem, num_classes, _rows_view(arrays[x_key], train_rows),
+                       _rows_view(arrays[xt_key], test_rows), y_all[train_rows], y_test_all[test_rows])
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     return out if part == "all" and share is None else dataclasses.replace(out, train_offset=offset, train_total=len(tr))
@@ -711,8 +1190,8 @@ def load_dataset(spec: DatasetSpec | Mapping[str, Any], *, loader: Any = None, p
     options as keyword arguments, plus ``path``, ``seed`` and ``test_fraction`` where its signature has
     them, and returns a :class:`Dataset`). ``part``: "all", "train" (no test rows) or "test" (no
     training rows; ``Dataset.n_train`` still counts them); ``share = (index, count)``: of the training
-    split only rows ``[n * index // count, n * (index + 1) // count)``. An uncompressed npz reads only
-    those rows; other sources are loaded whole and cut (see :func:`select`).
+    split only rows ``[n * index // count, n * (index + 1) // count)``. An uncompressed npz and an svmlight
+    file read only those rows; other sources are loaded whole and cut (see :func:`select`).
     """
     if not isinstance(spec, DatasetSpec):
         spec = DatasetSpec.from_mapping(spec)
@@ -754,6 +1233,11 @@ def load_dataset(spec: DatasetSpec | Mapping[str, Any], *, loader: Any = None, p
     ds = loader(**kwargs)
     if not isinstance(ds, Dataset):
         raise NotADataset(f"dataset loader {spec.kind!r} returned a {type(ds).__name__}; expected hmp.data.Dataset")
+    if own_loader and ds.sparse:  # ours are built valid; a user's CSR arrays are checked once, here
+        for part_name, x in (("x_train", ds.x_train), ("x_test", ds.x_test)):
+            why = x.fault()
+            if why is not None:
+                raise ValueError(f"dataset {ds.name!r}: {part_name} is not valid CSR rows: {why}")
     return ds if cuts_itself else select(ds, part, share)
 
 
@@ -771,6 +1255,8 @@ class FeatureStats:
     def of(cls, x: Tensor) -> FeatureStats:
         """The statistics of ``x``'s rows (float64 sums over bounded blocks; a constant feature gets std 1,
         so that it stays as it is rather than being divided by zero)."""
+        if isinstance(x, CSRRows):
+            raise ValueError("standardize needs dense features; sparse rows cannot be centred without densifying them")
         if not x.is_floating_point():
             raise ValueError(f"standardize needs float features, got {x.dtype} (categorical ids are not scaled)")
         if len(x) == 0:
@@ -794,7 +1280,11 @@ class FeatureStats:
 def standardize(ds: Dataset, stats: FeatureStats | None = None) -> Dataset:
     """``ds`` with every feature scaled to mean 0, variance 1 by ``stats`` (default: of ``ds``'s training
     rows only, so that nothing of the test set leaks into training). Train and test are scaled alike, in
-    place: the loaded tensors are this function's to change, and a copy would double the data's memory."""
+    place: the loaded tensors are this function's to change, and a copy would double the data's memory.
+    Sparse rows (:class:`CSRRows`) are refused: centring would fill in every zero."""
+    if ds.sparse:
+        raise ValueError(f"dataset {ds.name!r}: sparse rows cannot be standardized (subtracting the mean makes every "
+                         "zero nonzero, i.e. the data dense); scale the values before writing the file")
     stats = stats or FeatureStats.of(ds.x_train)
     stats.apply(ds.x_train)
     stats.apply(ds.x_test)
@@ -807,8 +1297,8 @@ SCALE_RATIO_WARN = 1000.0
 
 def scale_advice(ds: Dataset, stats: FeatureStats | None = None) -> str | None:
     """One line suggesting ``[data] standardize = true`` when the features' scales differ wildly (float
-    data only), else None."""
-    if not ds.x_train.is_floating_point() or len(ds.x_train) < 2:
+    data only; none for sparse rows, which cannot be standardized), else None."""
+    if ds.sparse or not ds.x_train.is_floating_point() or len(ds.x_train) < 2:
         return None
     stats = stats or FeatureStats.of(ds.x_train)
     scale = torch.maximum(stats.std, stats.mean.abs()).flatten()

@@ -19,6 +19,16 @@ Worker side::
 
 Which shard owns which chunk is :func:`hmp.ps.sharding.assign_chunks`'s business.
 
+Row-sparse tables: the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True``
+(its ``.grad`` is a sparse COO tensor holding only the rows a batch looked up) is laid out as a
+:class:`RowTable`: chunk boundaries fall on its row boundaries (a chunk holds whole rows, at least
+one), so that a push or pull can name rows of a chunk (docs/protocol.md, "Row-sparse tables").
+:meth:`FlatLayout.bind` leaves such a weight's ``.grad`` unbound (None before each backward):
+autograd then hands over the sparse gradient itself rather than scattering it into the flat
+buffer, and :meth:`FlatBuffers.zero_grad` never touches the table's part of the gradient buffer
+(whose pages, never written, cost no memory). A model without sparse tables is laid out exactly
+as before.
+
 Only parameters with ``requires_grad=True`` are laid out; module buffers (e.g.
 BatchNorm running statistics) are not parameters and stay where they are.
 ``model.named_parameters()`` already drops shared (tied) parameters after their first
@@ -76,6 +86,16 @@ class Chunk:
     dtype: str
     start: int  # elements into the dtype's flat buffer
     numel: int
+    #: a row-sparse table's chunk: its row width (0: a dense chunk), and the table row its element 0 is
+    #: the first element of; the chunk holds rows ``[row0, row0 + numel // dim)`` of table ``table``
+    dim: int = 0
+    row0: int = 0
+    table: str = ""
+
+    @property
+    def rows(self) -> int:
+        """Whole rows in a row-sparse chunk (0 for a dense one)."""
+        return self.numel // self.dim if self.dim else 0
 
     @property
     def end(self) -> int:
@@ -88,17 +108,42 @@ class Chunk:
         return self.numel * _itemsize(self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class RowTable:
+    """A row-sparse table: parameter ``name`` (``rows`` x ``dim``, elements ``[offset, offset + rows * dim)``
+    of the ``dtype`` buffer), the weight of an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``."""
+
+    name: str
+    dtype: str
+    offset: int
+    rows: int
+    dim: int
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class FlatBuffers:
-    """The flat buffers a bound model uses: ``params[dtype]`` and ``grads[dtype]``, each 1-D."""
+    """The flat buffers a bound model uses: ``params[dtype]`` and ``grads[dtype]``, each 1-D.
+
+    With row-sparse tables (:class:`RowTable`): ``sparse`` holds their parameters (whose ``.grad`` is
+    the sparse gradient autograd makes, not a view of ``grads``) and ``dense_ranges`` the
+    ``(dtype, start, end)`` element ranges of ``grads`` that hold the other parameters' gradients."""
 
     params: dict[str, Tensor]
     grads: dict[str, Tensor]
+    sparse: tuple[nn.Parameter, ...] = ()
+    dense_ranges: tuple[tuple[str, int, int], ...] = ()
 
     def zero_grad(self) -> None:
-        """Zero the flat grad buffers in place; use this instead of ``optimizer.zero_grad()``."""
-        for g in self.grads.values():
-            g.zero_()
+        """Zero the flat grad buffers in place; use this instead of ``optimizer.zero_grad()``. The
+        sparse tables' gradients are dropped instead (set to None: the next backward makes new ones)."""
+        if not self.sparse:
+            for g in self.grads.values():
+                g.zero_()
+            return
+        for d, lo, hi in self.dense_ranges:
+            self.grads[d][lo:hi].zero_()
+        for p in self.sparse:
+            p.grad = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +154,8 @@ class FlatLayout:
     ``sizes``: ``(dtype, numel)`` per flat buffer, dtypes in order of first appearance.
     ``chunks``: the chunks of every buffer, keys ``0..len-1`` in (dtype, start) order.
     ``chunk_bytes``: the largest chunk size in bytes this layout was cut with.
+    ``tables``: the row-sparse tables (:class:`RowTable`), whose chunks hold whole rows (a chunk of
+    ``chunk_bytes`` holds ``chunk_bytes // (dim * itemsize)`` rows, at least one).
 
     The layout depends only on parameter names, shapes and dtypes, so every worker
     building the same model gets the same layout (compare with ``==``).
@@ -118,18 +165,23 @@ class FlatLayout:
     sizes: tuple[tuple[str, int], ...]
     chunks: tuple[Chunk, ...]
     chunk_bytes: int
+    tables: tuple[RowTable, ...] = ()
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def from_named_parameters(
-        cls, named: Iterable[tuple[str, Tensor]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+        cls, named: Iterable[tuple[str, Tensor]], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        row_tables: Iterable[str] = (),
     ) -> FlatLayout:
-        """Lay out ``(name, tensor)`` pairs (those with ``requires_grad``) and cut chunks."""
+        """Lay out ``(name, tensor)`` pairs (those with ``requires_grad``) and cut chunks. ``row_tables``: the
+        names of the 2-D parameters to lay out as row-sparse tables (chunk boundaries on row boundaries)."""
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         slots: list[ParamSlot] = []
         sizes: dict[str, int] = {}
+        row_tables = set(row_tables)
+        tables: list[RowTable] = []
         for name, p in named:
             if not p.requires_grad:
                 continue
@@ -139,19 +191,35 @@ class FlatLayout:
             offset = sizes.get(d, 0)
             slots.append(ParamSlot(name, d, offset, p.numel(), tuple(p.shape)))
             sizes[d] = offset + p.numel()
+            if name in row_tables:
+                if p.dim() != 2 or p.shape[1] < 1:
+                    raise ValueError(f"row-sparse table {name!r} has shape {list(p.shape)}; expected [rows, dim]")
+                tables.append(RowTable(name, d, offset, p.shape[0], p.shape[1]))
         chunks: list[Chunk] = []
         for d, total in sizes.items():
             per_chunk = chunk_bytes // _itemsize(d)
             if per_chunk < 1:
                 raise ValueError(f"chunk_bytes={chunk_bytes} is smaller than one {d} element ({_itemsize(d)} bytes)")
-            for start in range(0, total, per_chunk):
+            # Dense runs between tables are cut ignoring parameter boundaries (with no table: the whole
+            # buffer, as always); a table is cut on row boundaries.
+            pos = 0
+            for t in (t for t in tables if t.dtype == d):
+                for start in range(pos, t.offset, per_chunk):
+                    chunks.append(Chunk(len(chunks), d, start, min(per_chunk, t.offset - start)))
+                per_rows = max(1, per_chunk // t.dim)
+                for row in range(0, t.rows, per_rows):
+                    n = min(per_rows, t.rows - row)
+                    chunks.append(Chunk(len(chunks), d, t.offset + row * t.dim, n * t.dim, t.dim, row, t.name))
+                pos = t.offset + t.rows * t.dim
+            for start in range(pos, total, per_chunk):
                 chunks.append(Chunk(len(chunks), d, start, min(per_chunk, total - start)))
-        return cls(tuple(slots), tuple(sizes.items()), tuple(chunks), chunk_bytes)
+        return cls(tuple(slots), tuple(sizes.items()), tuple(chunks), chunk_bytes, tuple(tables))
 
     @classmethod
     def from_model(cls, model: nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> FlatLayout:
-        """Lay out ``model``'s trainable parameters; see :meth:`from_named_parameters`."""
-        return cls.from_named_parameters(model.named_parameters(), chunk_bytes)
+        """Lay out ``model``'s trainable parameters (its row-sparse tables: :func:`row_sparse_tables`);
+        see :meth:`from_named_parameters`."""
+        return cls.from_named_parameters(model.named_parameters(), chunk_bytes, row_sparse_tables(model))
 
     # ------------------------------------------------------------------ queries
 
@@ -171,6 +239,19 @@ class FlatLayout:
     def nbytes(self) -> int:
         """Total bytes over all flat buffers."""
         return sum(n * _itemsize(d) for d, n in self.sizes)
+
+    def dense_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """``(dtype, start, end)``: the element ranges of the flat buffers outside every row-sparse table."""
+        out: list[tuple[str, int, int]] = []
+        for d, total in self.sizes:
+            pos = 0
+            for t in sorted((t for t in self.tables if t.dtype == d), key=lambda t: t.offset):
+                if t.offset > pos:
+                    out.append((d, pos, t.offset))
+                pos = t.offset + t.rows * t.dim
+            if total > pos:
+                out.append((d, pos, total))
+        return tuple(out)
 
     # ------------------------------------------------------------------ buffers
 
@@ -229,18 +310,26 @@ class FlatLayout:
         ``backward(create_graph=True)`` also replaces ``.grad`` (out of place).
 
         ``device``: where the flat buffers live; default the device of the first parameter.
+
+        A row-sparse table's ``.grad`` is not bound (see the module docstring): it is set to None.
         """
         self.check(model)
         if device is None:
             device = _first_device(model)
-        flat = FlatBuffers(self.allocate(device), self.allocate(device))
         params = dict(model.named_parameters())
+        tables = {t.name for t in self.tables}
+        flat = FlatBuffers(self.allocate(device), self.allocate(device), tuple(params[n] for n in tables),
+                           self.dense_ranges() if tables else ())
         pviews, gviews = self.param_views(flat.params), self.param_views(flat.grads)
         with torch.no_grad():
             for name, p in params.items():
                 if name not in pviews:
                     continue  # frozen parameter: not part of the layout
                 pviews[name].copy_(p.data)
+                if name in tables:
+                    p.data = pviews[name]
+                    p.grad = None
+                    continue
                 if p.grad is not None:
                     gviews[name].copy_(p.grad)
                 p.data = pviews[name]
@@ -255,6 +344,7 @@ class FlatLayout:
         parameter's ``.grad`` then views the new buffer, so backward accumulates straight into it.
         Callers must take gradient views (``chunk_views``) after this, not before."""
         params = dict(model.named_parameters())
+        tables = {t.name for t in self.tables}
         for d, n in self.sizes:
             old = flat.grads[d]
             new = alloc(n, torch_dtype(d))
@@ -262,10 +352,16 @@ class FlatLayout:
                 raise ValueError(f"alloc gave {dtype_name(new.dtype)}{list(new.shape)} on {new.device} for the "
                                  f"{d}[{n}] gradient buffer on {old.device}")
             with torch.no_grad():
-                new.copy_(old)
+                if not tables:
+                    new.copy_(old)
+                else:  # the tables' part is never read (see bind): left unwritten, it costs no memory
+                    for rd, lo, hi in flat.dense_ranges:
+                        if rd == d:
+                            new[lo:hi].copy_(old[lo:hi])
             flat.grads[d] = new
         for name, view in self.param_views(flat.grads).items():
-            params[name].grad = view
+            if name not in tables:  # a table's sparse gradient stays its own (see bind)
+                params[name].grad = view
 
     def _check_flat(self, flat: Mapping[str, Tensor]) -> None:
         for d, n in self.sizes:
@@ -276,6 +372,16 @@ class FlatLayout:
                 raise ValueError(
                     f"flat {d!r} buffer is {dtype_name(t.dtype)}{list(t.shape)}; expected {d}[{n}] (1-D)"
                 )
+
+
+def row_sparse_tables(model: nn.Module) -> tuple[str, ...]:
+    """The names (as in ``model.named_parameters()``) of the weights of ``model``'s ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` modules built with ``sparse=True``: the row-sparse tables."""
+    out = []
+    for prefix, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            out.append(f"{prefix}.weight" if prefix else "weight")
+    return tuple(out)
 
 
 def _first_device(model: nn.Module) -> torch.device:

@@ -20,6 +20,7 @@ than each assembling them. Below it, the subsystems know nothing of each other.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -47,6 +48,7 @@ def check(cfg: Config, *, data: bool = False) -> None:
     """Every subsystem's own check of its section (after :func:`hmp.config.validate`); with ``data``, then
     :func:`check_data` (advice, such as raw features that want standardizing, as a
     :class:`hmp.data.DataWarning`)."""
+    check_data_config(cfg)
     models.check_config(cfg)
     if cfg.sweep.members:
         try:
@@ -60,6 +62,27 @@ def check(cfg: Config, *, data: bool = False) -> None:
     if data:
         for advice in check_data(cfg):
             warnings.warn(advice, data_mod.DataWarning, stacklevel=3)
+
+
+def check_data_config(cfg: Config) -> None:
+    """``[data] sparse`` only where it means something: svmlight files (CSR rows from file to batch), without
+    ``standardize`` (centring fills in every zero), and in jobs whose code takes sparse batches."""
+    d = cfg.data
+    if not d.sparse:
+        return
+    if d.kind != "svmlight":
+        raise ConfigError(cfg.path, "data.sparse", f"false for [data] kind = {d.kind!r}: only svmlight files are read "
+                                                   "as sparse rows (CSR); a loader of your own may return CSRRows")
+    if d.standardize:
+        raise ConfigError(cfg.path, "data.sparse", "sparse = true without standardize = true: standardizing subtracts "
+                                                   "each feature's mean, which makes every zero nonzero (the data "
+                                                   "dense); scale the values in the file instead")
+    if cfg.sweep.members:
+        raise ConfigError(cfg.path, "data.sparse", "false in an HFTA sweep ([sweep] members): fused models take dense "
+                                                   "batches")
+    if cfg.placement.enabled:
+        raise ConfigError(cfg.path, "data.sparse", "false in a pipeline job ([placement] enabled): its profiler and "
+                                                   "stages pass dense activations from the first layer on")
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -190,6 +213,8 @@ def _load(cfg: Config, part: str, share: tuple[int, int] | None) -> data_mod.Dat
     spec: dict[str, Any] = {"kind": d.kind, "seed": d.seed, "test_fraction": d.test_fraction, **d.args}
     if d.kind == "click":
         spec.setdefault("n", d.samples)
+    if d.sparse:
+        spec["sparse"] = True
     if d.path:
         spec["path"] = str(cfg.resolve(d.path))
     if d.test_path:
@@ -220,7 +245,7 @@ _STATS_SLICES = 8
 
 def _train_stats(cfg: Config, loaded: data_mod.Dataset) -> data_mod.FeatureStats:
     """The whole training split's feature statistics (``loaded`` may be a part of it)."""
-    if loaded.train_total is None:
+    if loaded.train_total is None or len(loaded.y_train) == loaded.train_total:  # the whole training split is here
         return data_mod.FeatureStats.of(loaded.x_train)
     slices = _STATS_SLICES if cfg.data.kind == "npz" else 1
     total = sq = None
@@ -243,19 +268,24 @@ def _train_stats(cfg: Config, loaded: data_mod.Dataset) -> data_mod.FeatureStats
     return data_mod.FeatureStats(mean.float(), std.float())
 
 
-def dataset(cfg: Config, part: str = "all", share: tuple[int, int] | None = None) -> data_mod.Dataset:
+def dataset(cfg: Config, part: str = "all", share: tuple[int, int] | None = None, *,
+            stats: data_mod.FeatureStats | None = None) -> data_mod.Dataset:
     """Load ``[data]``: digits and click are built in; svmlight and npz read the user's files; an import
     path calls the user's loader. ``[data] standardize``: features scaled by the whole training split's
-    statistics (also when only a part is loaded). ``part`` / ``share``: only the test set ("test", the
-    scheduler's evaluation), only the training rows ("train"), and of those only worker ``index`` of
-    ``count``'s slice (``share = (index, count)``), read alone where the format allows (uncompressed npz).
-    Bad data is a ConfigError naming the config file, the key, and the data file's line or array."""
+    statistics (also when only a part is loaded; ``stats``: those statistics, when the caller has them from an
+    earlier load's ``Dataset.stats``, so that they are not taken again). ``part`` / ``share``: only the test
+    set ("test", the scheduler's evaluation), only the training rows ("train"), and of those only worker
+    ``index`` of ``count``'s slice (``share = (index, count)``), read alone where the format allows
+    (uncompressed npz, svmlight; docs/data.md, "Loading a part"). Bad data is a ConfigError naming the config file, the
+    key, and the data file's line or array."""
     ds = _load(cfg, part, share)
     if cfg.data.standardize:
-        if not ds.x_train.is_floating_point() and not ds.x_test.is_floating_point():
-            raise ConfigError(cfg.path, "data.standardize", f"false for integer features (categorical ids), got "
-                                                            f"x of {ds.x_train.dtype}")
-        data_mod.standardize(ds, _train_stats(cfg, ds))
+        if ds.sparse or (not ds.x_train.is_floating_point() and not ds.x_test.is_floating_point()):
+            raise ConfigError(cfg.path, "data.standardize", f"false for integer features (categorical ids) and sparse "
+                                                            f"rows, got x of {ds.x_train.dtype}")
+        stats = stats or _train_stats(cfg, ds)
+        data_mod.standardize(ds, stats)
+        ds = dataclasses.replace(ds, stats=stats)
     return ds
 
 
@@ -277,7 +307,7 @@ def check_model_fits(cfg: Config, ds: data_mod.Dataset) -> None:
     whose outputs cannot score its labels, is a ConfigError naming both shapes (before any daemon trains,
     rather than a traceback from a worker mid-training). On the meta device first (no memory, no
     initialisation); a model that cannot run there (e.g. it reads a value) is built for real."""
-    x = ds.x_train[:2] if len(ds.x_train) else ds.x_test[:2]
+    x = data_mod.whole_batch(ds.x_train[:2] if len(ds.x_train) else ds.x_test[:2])  # sparse rows: a CSRBatch
     if not len(x):
         return
     where = str(cfg.resolve(cfg.data.path)) if cfg.data.path else f"[data] kind = {cfg.data.kind!r}"
@@ -302,6 +332,16 @@ def check_model_fits(cfg: Config, ds: data_mod.Dataset) -> None:
                 f"a model that fits the data: model {m.name!r} expects {expects}, data has rows of shape "
                 f"{list(ds.feature_shape)} ({x.dtype}, {where}); a forward pass of x {list(x.shape)} raised "
                 f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")) from None
+    if ds.sparse:
+        # Column indices are ids into the model's first table: the meta device does not check their range, and two
+        # real rows may not reach the highest column, so the table's size is compared with the data's columns.
+        bag = next((mod for mod in model.modules() if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag))),
+                   None)
+        if bag is not None and bag.num_embeddings < ds.num_features:
+            raise ConfigError(cfg.path, key, (
+                f"a model that fits the data: model {m.name!r} takes column indices in [0, {bag.num_embeddings}) "
+                f"(its first table: {bag!r}), but the sparse data has {ds.num_features} columns ({where}); give "
+                f"the table at least {ds.num_features} rows"))
     labels = [t for t in (ds.y_train, ds.y_test) if len(t)]
     top = max(int(t.max()) for t in labels) if labels else -1
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(x):

@@ -398,22 +398,37 @@ class Push(Message):
     version: int = 0
     samples: int = 0
     seq: int = dataclasses.field(default=0, metadata={"quiet": True})  # not in reprs while 0
+    #: row-sparse tables (docs/protocol.md, "Row-sparse tables"): ``row_grads[i]`` (``[k, dim]``) is the
+    #: gradient of rows ``rows[i]`` (int64, chunk-relative, strictly increasing) of chunk ``row_keys[i]``
+    row_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    row_grads: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    #: rows whose new values the reply carries besides ``keys``'s (the sender's next batch's rows)
+    want_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    want_rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
 
 
 @message(Kind.PULL)
 class Pull(Message):
-    """Worker -> shard: current values of chunks ``keys``. Answered by :class:`Params`."""
+    """Worker -> shard: current values of chunks ``keys`` (whole), and of rows ``rows[i]`` of row-sparse
+    chunk ``row_keys[i]`` (docs/protocol.md, "Row-sparse tables"). Answered by :class:`Params`."""
 
     keys: tuple[int, ...]
+    row_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
 
 
 @message(Kind.PARAMS)
 class Params(Message):
-    """Shard -> worker: values of chunks ``keys`` at parameter version ``version``."""
+    """Shard -> worker: values of chunks ``keys`` at parameter version ``version``; ``row_values[i]``
+    (``[k, dim]``) are the rows of row-sparse chunk ``row_keys[i]`` the request asked for (a push's
+    ``want_rows[i]``, a pull's ``rows[i]``), in the request's order."""
 
     keys: tuple[int, ...]
     values: tuple[Tensor, ...]
     version: int = 0
+    row_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    row_values: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
 
 
 @message(Kind.TENSORS)
@@ -485,6 +500,10 @@ class Replicate(Message):
     seq: int = 0
     samples: int = 0
     round_seqs: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: row-sparse gradients applied with ``grads`` (``op`` push or round), as in :class:`Push`
+    row_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+    row_grads: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
 
 
 # ----------------------------------------------------------------------------- schema

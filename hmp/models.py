@@ -1,12 +1,20 @@
 """Model factories shared by the runtime, the planner and the benchmarks, and the user's own models.
 
-``[model] name`` is a factory of :data:`MODELS` (``digits_mlp``, ``click_model``, ``deep_mlp``) or an
+``[model] name`` is a factory of :data:`MODELS` (``digits_mlp``, ``click_model``, ``deep_mlp``,
+``sparse_mlp``) or an
 import path to the user's own: ``package.module:function`` (importable: installed or on ``PYTHONPATH``)
 or ``path/to/file.py:function`` (relative paths from the config file's folder), called with ``[model]
 args`` as keyword arguments and returning any ``torch.nn.Module`` (a class is a factory too). The shipped
 factories build ``nn.Sequential`` models, so that their layers can be profiled one by one and cut into
 pipeline stages (HeterPS) without special cases; HFTA sweeps and pipeline jobs need one (checked at
 load, :func:`check_config`). docs/data.md lists every factory's arguments.
+
+Row-sparse tables: ``click_model(sparse=True)`` and ``sparse_mlp`` hold an ``nn.Embedding`` /
+``nn.EmbeddingBag`` built with ``sparse=True``, whose rows the parameter server pushes and pulls one by
+one (docs/protocol.md, "Row-sparse tables"). Such a model tells the workers which rows a batch reads:
+``model.rows_touched(batch) -> {parameter name: int64 row ids}`` (:class:`RowSparseSequential`); a worker
+pulls those rows of its next batch with each push, and falls back to pulling whole tables for a model
+of the user's own without the method.
 """
 
 from __future__ import annotations
@@ -34,18 +42,50 @@ class FieldEmbedding(nn.Module):
     Input ``[N, F]`` int64 bucket ids (one per field, already hashed into
     ``buckets``); output ``[N, F * dim]``: each field looked up in its own table,
     concatenated. The tables are one ``nn.Embedding`` of ``F * buckets`` rows so the
-    PS sees a single large (sparse-ish) parameter.
+    PS sees a single large (sparse-ish) parameter; with ``sparse`` it is a row-sparse table.
     """
 
-    def __init__(self, fields: int, buckets: int, dim: int) -> None:
+    def __init__(self, fields: int, buckets: int, dim: int, sparse: bool = False) -> None:
         super().__init__()
         self.fields, self.buckets, self.dim = fields, buckets, dim
-        self.table = nn.Embedding(fields * buckets, dim)
+        self.table = nn.Embedding(fields * buckets, dim, sparse=sparse)
         nn.init.normal_(self.table.weight, std=0.05)
         self.register_buffer("offsets", torch.arange(fields, dtype=torch.int64) * buckets, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table(ids + self.offsets).flatten(1)
+
+    def rows_touched(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"table.weight": the sorted unique table rows ids [N, F] read}``."""
+        return {"table.weight": torch.unique(ids + self.offsets)}
+
+
+class SparseFeatureBag(nn.EmbeddingBag):
+    """A sparse linear first layer: sparse feature rows (a ``CSRBatch``: ``indices``, ``offsets``,
+    ``values``, the ``nn.EmbeddingBag`` convention, hmp.data) to ``[B, dim]``, row ``b`` being the sum of
+    the table rows of its features weighted by their values (the batch times the ``[num_features, dim]``
+    table). A row-sparse table (``sparse=True``): a batch reads and updates only its features' rows."""
+
+    def __init__(self, num_features: int, dim: int, sparse: bool = True) -> None:
+        super().__init__(num_features, dim, mode="sum", sparse=sparse)
+        nn.init.normal_(self.weight, std=0.05)
+
+    def forward(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch.indices, batch.offsets, per_sample_weights=batch.values)
+
+    def rows_touched(self, batch: Any) -> dict[str, torch.Tensor]:
+        """``{"weight": the sorted unique feature ids of the batch}``."""
+        return {"weight": torch.unique(batch.indices)}
+
+
+class RowSparseSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose first layer holds a row-sparse table and says which rows a batch reads:
+    :meth:`rows_touched`, the method hmp's workers look for to pull only those rows."""
+
+    def rows_touched(self, batch: Any) -> dict[str, torch.Tensor]:
+        """``{parameter name (as in named_parameters()): sorted unique int64 row ids}`` that a forward
+        pass of ``batch`` reads from the model's row-sparse tables."""
+        return {f"0.{name}": rows for name, rows in self[0].rows_touched(batch).items()}
 
 
 def mlp(in_features: int, hidden: Sequence[int], out_features: int) -> nn.Sequential:
@@ -71,14 +111,34 @@ def digits_mlp(hidden: Sequence[int] = (128, 64)) -> nn.Sequential:
     return mlp(64, hidden, 10)
 
 
-def click_model(fields: int = 8, buckets: int = 1000, dim: int = 16, hidden: Sequence[int] = (64, 32)) -> nn.Sequential:
+def click_model(fields: int = 8, buckets: int = 1000, dim: int = 16, hidden: Sequence[int] = (64, 32),
+                sparse: bool = False) -> nn.Sequential:
     """Sparse click-through model: ``[N, fields]`` int64 ids in, ``[N, 2]`` logits out.
 
     ``fields``: categorical fields per example (columns of x); ``buckets``: hashed ids per field (each
     id in ``[0, buckets)``); ``dim``: embedding width per field; ``hidden``: the MLP's hidden widths over
-    the ``fields * dim`` concatenated embeddings.
+    the ``fields * dim`` concatenated embeddings; ``sparse``: the embedding table is row-sparse (only the
+    rows a batch reads are pushed, pulled and updated on the parameter server; PS jobs only).
     """
+    if sparse:
+        return RowSparseSequential(FieldEmbedding(fields, buckets, dim, sparse=True), *mlp(fields * dim, hidden, 2))
     return nn.Sequential(FieldEmbedding(fields, buckets, dim), *mlp(fields * dim, hidden, 2))
+
+
+def sparse_mlp(num_features: int, dim: int = 16, hidden: Sequence[int] = (64,), classes: int = 2,
+               sparse: bool = True) -> nn.Sequential:
+    """Sparse-input MLP for ``[data] sparse = true`` (svmlight rows kept as CSR): a batch of sparse rows
+    (``CSRBatch``) in, ``[N, classes]`` logits out. The first layer is an ``nn.EmbeddingBag(num_features,
+    dim, mode="sum", sparse=True)`` over the rows' features weighted by their values (a sparse linear
+    layer, :class:`SparseFeatureBag`), a row-sparse table: only the rows of a batch's features are pushed,
+    pulled and updated on the parameter server (PS jobs only).
+
+    ``num_features``: input width (the data's feature count; feature ids in ``[0, num_features)``);
+    ``dim``: the bag's output width; ``hidden``: the MLP's hidden widths over it (empty: one Linear);
+    ``classes``: output width (logits); ``sparse``: false makes the bag's table dense (every push and pull
+    carries all of it: the peer bench/sparse.py measures against).
+    """
+    return RowSparseSequential(SparseFeatureBag(num_features, dim, sparse), *mlp(dim, hidden, classes))
 
 
 def deep_mlp(in_features: int = 256, width: int = 512, depth: int = 8, classes: int = 10) -> nn.Sequential:
@@ -90,7 +150,7 @@ def deep_mlp(in_features: int = 256, width: int = 512, depth: int = 8, classes: 
     return mlp(in_features, [width] * depth, classes)
 
 
-MODELS = {"digits_mlp": digits_mlp, "click_model": click_model, "deep_mlp": deep_mlp}
+MODELS = {"digits_mlp": digits_mlp, "click_model": click_model, "deep_mlp": deep_mlp, "sparse_mlp": sparse_mlp}
 
 
 class ModelNotFound(ValueError):
@@ -254,8 +314,36 @@ def check_config(cfg: Config) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(p, "model.name", f"a factory returning a torch.nn.Module; {m.name}() returned a "
                                            f"{type(model).__name__}")
+    _check_row_sparse(cfg, model)
     needs = "a [sweep] job (HFTA fuses an nn.Sequential layer by layer)" if cfg.sweep.members else \
         "a [placement] job (the pipeline cuts an nn.Sequential into stages)" if cfg.placement.enabled else None
     if needs and not isinstance(model, nn.Sequential):
         raise ConfigError(p, "model.name", f"a factory returning an nn.Sequential for {needs}; {m.name}() "
                                            f"returned a {type(model).__name__}")
+
+
+def _check_row_sparse(cfg: Config, model: nn.Module) -> None:
+    """A model with row-sparse tables (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``) trains only
+    where its sparse gradients reach the parameter server: PS jobs of single-threaded workers. The others
+    would drop them (their code sums dense flat gradient buffers), so they are refused at load."""
+    from hmp.config import Consistency
+    from hmp.flat import row_sparse_tables
+
+    tables = row_sparse_tables(model)
+    if not tables:
+        return
+    what = (f"a model without row-sparse tables (nn.Embedding/nn.EmbeddingBag with sparse=True: "
+            f"{', '.join(tables)}; e.g. click_model's sparse = false)")
+    if cfg.train.consistency == Consistency.ALLREDUCE:
+        raise ConfigError(cfg.path, "model.args", f"{what} for train.consistency = \"allreduce\" (the ring sums dense "
+                                                  "gradient buffers); row-sparse tables need a parameter server")
+    if cfg.sweep.members:
+        raise ConfigError(cfg.path, "model.args", f"{what} for a [sweep] job (HFTA fuses dense layers)")
+    if cfg.placement.enabled:
+        raise ConfigError(cfg.path, "model.args", f"{what} for a [placement] job (pipeline stages push dense "
+                                                  "gradient buffers)")
+    for i, n in enumerate(cfg.nodes):
+        if n.hogwild_threads > 1:
+            raise ConfigError(cfg.path, f"nodes[{i}].hogwild_threads",
+                              f"1 for a model with row-sparse tables ({', '.join(tables)}): Hogwild threads sum "
+                              "dense gradients on the worker (or make the tables dense: sparse = false)")

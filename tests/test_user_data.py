@@ -229,7 +229,7 @@ def test_import_path_models_build_and_refuse_clearly(tmp_path):
         ("mine.py:net", "{ depth = 3 }", "model.args", "unexpected keyword argument 'depth'"),
         (model_ref(tmp_path, "failing_factory"), "{}", "model.name", "RuntimeError: no weights for you"),
         (model_ref(tmp_path, "not_a_model"), "{}", "model.name", "returned a list"),
-        ("mlp_of_my_dreams", "{}", "model.name", "one of ['click_model', 'deep_mlp', 'digits_mlp'] or an import path"),
+        ("mlp_of_my_dreams", "{}", "model.name", "one of ['click_model', 'deep_mlp', 'digits_mlp', 'sparse_mlp'] or an import path"),
     ]
     for model, args, key, says in cases:
         with pytest.raises(ConfigError) as info:

@@ -85,7 +85,7 @@ class NodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = _field("digits_mlp", "model factory: digits_mlp | click_model | deep_mlp (their args: docs/data.md), or "
+    name: str = _field("digits_mlp", "model factory: digits_mlp | click_model | deep_mlp | sparse_mlp (their args: docs/data.md), or "
                                      "an import path 'package.module:function' / 'path/to/file.py:function' (relative "
                                      "to the config file) returning a torch.nn.Module")
     args: dict = _field({}, "keyword arguments for the factory")

@@ -31,6 +31,7 @@ from typing import Any
 
 from hmp import job as job_mod
 from hmp.config import Config
+from hmp.data import whole_batch
 from hmp.emulate import dumps_toml
 from hmp.errors import ConfigError
 from hmp.gadget.interface import Utility
@@ -200,7 +201,7 @@ def profile_compute_s(spec: JobSpec, steps: int = 5) -> float:
 
     model = models.from_config(spec.cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = data.x_train[:spec.batch_size], data.y_train[:spec.batch_size]
+    x, y = whole_batch(data.x_train[:spec.batch_size]), data.y_train[:spec.batch_size]
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()

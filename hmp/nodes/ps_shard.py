@@ -23,6 +23,13 @@ Membership: a worker's ``leave`` or the scheduler's ``drop`` takes it out of syn
 bounds (a round waiting only for it completes at once); a worker that was taken out and pushes
 again is counted again.
 
+Row-sparse tables (docs/protocol.md, "Row-sparse tables"): a push may carry rows of table chunks
+(``row_keys``, ``rows``, ``row_grads``, checked by :meth:`ShardCore.check_rows`) and ask for rows back
+(``want_keys``, ``want_rows``), which the reply carries gathered (that gather is their copy); a pull may
+ask for rows too. Everything above holds for them: retried pushes, SSP bounds, sync rounds (the rows each
+member wants are gathered when the round completes), forwards to the backup. ``status`` counts
+``rows_pushed`` and ``rows_pulled``.
+
 Shared memory (``[shm]``, docs/shm.md): the shard opens its process's arena when it starts. Pushes
 from workers on this host arrive as read-only views of the workers' gradient buffers (read here,
 never kept past the reply), and the reply's copy of the values is made into a reply slot of the
@@ -62,6 +69,9 @@ from hmp.transport.shm import Arena, ShmSettings, open_process_arena
 #: seconds before a forward the backup refused (it may not know the new map yet) is sent again
 FORWARD_RETRY_S = 0.05
 
+#: sync: the key of a finished round's values under which the members' wanted rows are, by worker
+_ROWS = "rows"
+
 
 class PSShardNode(Node):
     role = Role.PS
@@ -100,6 +110,8 @@ class PSShardNode(Node):
         self.log.info("chunks_owned", chunks=len(initial), bytes=sum(t.numel() * t.element_size() for t in initial.values()))
         self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
         self._round_done: dict[str, asyncio.Future] = {}  # sync: the round in progress, per group
+        #: sync: the rows each member of the round in progress wants back (a push's want_keys/want_rows), per group
+        self._round_wants: dict[str, dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]]] = {}
         self._last_checkpoint = self.core.updates_applied  # updates in the last checkpoint written
         # The last checkpoint tried, written or not: a failing disk is retried at the configured pace, not
         # on every push.
@@ -111,7 +123,7 @@ class PSShardNode(Node):
         self._ssp_waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0, "checkpoints": 0, "checkpoint_failures": 0,
                       "drops": 0, "duplicates": 0, "forwards": 0, "forwards_applied": 0, "promotions": 0,
-                      "copies_sent": 0, "unreplicated_acks": 0}
+                      "copies_sent": 0, "unreplicated_acks": 0, "rows_pushed": 0, "rows_pulled": 0}
         # A sweep's members are independent: one diverging member's NaN stays in its own slice of
         # every chunk, and refusing the push would stop the others too (its report shows it).
         self.reject_nonfinite = cfg.ps.reject_nonfinite and not cfg.sweep.members
@@ -123,7 +135,8 @@ class PSShardNode(Node):
         initial values, counting the job's workers."""
         initial = self.sharded.initial_chunks(self.shard_ids.index(group))
         return ShardCore(group, initial, *chunk_optimizer_of(self.cfg), self.cfg.train.consistency,
-                         self.cfg.train.staleness, workers=[w.id for w in self.cfg.workers])
+                         self.cfg.train.staleness, workers=[w.id for w in self.cfg.workers],
+                         row_dims={c.key: c.dim for c in self.sharded.layout.chunks if c.dim and c.key in initial})
 
     def _resume(self) -> None:
         """``--resume``: continue from the checkpoint, or from the one before it if it is damaged. No
@@ -158,7 +171,8 @@ class PSShardNode(Node):
                       versions={g: c.version for g, c in {**self.backups, **self.cores}.items()})
         return st
 
-    def _params(self, keys: tuple[int, ...], core: ShardCore | None = None) -> Params:
+    def _params(self, keys: tuple[int, ...], core: ShardCore | None = None, row_keys: tuple[int, ...] = (),
+                rows: tuple[torch.Tensor, ...] = ()) -> Params:
         """The reply carrying the chunks' current values, as copies.
 
         The copy is needed: a zero-copy reply would hand libzmq the shard's own chunk tensors, and
@@ -171,13 +185,18 @@ class PSShardNode(Node):
 
         With a shared-memory arena the copy goes into a reply slot (the same one copy): workers on
         this host read it in place; for the others it is sent as frames, like a clone.
-        ``core``: the chunk group's (default: this shard's own)."""
+        ``core``: the chunk group's (default: this shard's own). ``row_keys``, ``rows``: rows of row-sparse
+        chunks the reply carries too (gathered: that is their copy)."""
         core = core or self.core
         values = core.values(keys)
         copies = self.arena.reply_copies(values) if self.arena is not None else None
         if copies is None:  # no arena, small values, or no free slot: as before
             copies = tuple(v.clone() for v in values)
-        return Params(sender=self.id, keys=keys, values=copies, version=core.version)
+        if not row_keys:
+            return Params(sender=self.id, keys=keys, values=copies, version=core.version)
+        self.stats["rows_pulled"] += sum(r.numel() for r in rows)
+        return Params(sender=self.id, keys=keys, values=copies, version=core.version, row_keys=row_keys,
+                      row_values=core.row_values(row_keys, rows))
 
     def _primary_core(self, keys: tuple[int, ...], what: str) -> ShardCore:
         """The core of the chunk group this shard serves ``keys`` from (by the first key; ``check`` refuses
@@ -195,20 +214,24 @@ class PSShardNode(Node):
 
     async def on_push(self, msg: Push, peer: bytes) -> Message:
         try:
-            core = self._primary_core(msg.keys, "push")
+            core = self._primary_core(msg.keys or msg.row_keys or msg.want_keys, "push")
             core.check(msg.keys, msg.grads, "push")
+            core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "push", msg.keys)
+            core.check_rows(msg.want_keys, msg.want_rows, None, "push (want_rows)")
             if self.reject_nonfinite:
                 core.check_finite(msg.keys, msg.grads, "push")
+                core.check_finite(msg.row_keys, msg.row_grads, "push (row_grads)")
         except RequestError:
             self.stats["rejected"] += 1
             raise
         self.stats["pushes"] += 1
+        self.stats["rows_pushed"] += sum(r.numel() for r in msg.rows)
         group = core.shard_id
         worker = msg.sender
         seen = core.seen(worker, msg.seq)
         if seen == "applied":  # a retry of a push applied before (its reply was lost): not applied twice
             self.stats["duplicates"] += 1
-            return self._params(msg.keys, core)
+            return self._params(msg.keys, core, msg.want_keys, msg.want_rows)
         round_done = self._round_done.get(group)
         if seen == "pending" and round_done is not None and not round_done.done():
             self.stats["duplicates"] += 1  # sync: already in the round in progress; answered with it
@@ -218,7 +241,7 @@ class PSShardNode(Node):
             except TimeoutError:
                 raise RequestError(f"sync round {core.version} incomplete after "
                                    f"{self.cfg.limits.request_timeout_s} s", "timeout") from None
-            return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version)
+            return self._round_reply(msg, version, values, core)
         waiting = self._ssp_waiting.get((worker, msg.seq)) if msg.seq else None
         if waiting is not None:  # a retry of a push still waiting for the SSP bound: answered once it is applied
             self.stats["duplicates"] += 1
@@ -227,7 +250,7 @@ class PSShardNode(Node):
             except TimeoutError:
                 raise RequestError(f"{worker}'s push {msg.seq} still waits for the SSP bound", "timeout") from None
             if applied:
-                return self._params(msg.keys, core)
+                return self._params(msg.keys, core, msg.want_keys, msg.want_rows)
         if worker in self._departed:  # left or dropped, and pushing again: it came back
             self._departed.discard(worker)
             for c in self._all_cores():
@@ -248,7 +271,10 @@ class PSShardNode(Node):
             round_done = self._round_done.get(group)
             if round_done is None or round_done.done():
                 round_done = self._round_done[group] = asyncio.get_running_loop().create_future()
-            core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq)
+            if msg.want_keys:  # copies of the ids (small): read when the round completes, after this handler's turn
+                self._round_wants.setdefault(group, {})[worker] = (msg.want_keys,
+                                                                   tuple(r.clone() for r in msg.want_rows))
+            core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
             self._maybe_finish_round(core)
             try:
                 version, values = await asyncio.wait_for(asyncio.shield(round_done), timeout)
@@ -256,7 +282,7 @@ class PSShardNode(Node):
                 raise RequestError(f"sync round {core.version} incomplete after {timeout} s; waiting for "
                                    f"{sorted(core.live_workers - core.round_members)}", "timeout") from None
             # The round's values as copied when it finished (one copy shared by every member's reply).
-            return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version)
+            return self._round_reply(msg, version, values, core)
         else:
             if not core.ssp_ready(worker):
                 # A retry of this push (the worker abandoned it when a shard went down) must not be
@@ -285,9 +311,10 @@ class PSShardNode(Node):
             else:
                 self._apply(core, msg)
             self.step = self.core.version
-            reply = self._params(msg.keys, core)  # this update's values, before anything else runs
+            reply = self._params(msg.keys, core, msg.want_keys, msg.want_rows)  # this update's values, now
             forward = self._forward(group, Replicate(group=group, fseq=0, op="push", keys=msg.keys, grads=msg.grads,
-                                                     worker=worker, seq=msg.seq, samples=msg.samples))
+                                                     worker=worker, seq=msg.seq, samples=msg.samples,
+                                                     row_keys=msg.row_keys, rows=msg.rows, row_grads=msg.row_grads))
             async with self._changed:
                 self._changed.notify_all()
             self._maybe_checkpoint()
@@ -296,7 +323,18 @@ class PSShardNode(Node):
             return reply
 
     def _apply(self, core: ShardCore, msg: Push) -> None:
-        core.apply(msg.sender, msg.keys, msg.grads, msg.samples, msg.seq)
+        core.apply(msg.sender, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+
+    def _round_reply(self, msg: Push, version: int, values: dict[int, Any], core: ShardCore) -> Params:
+        """A sync member's reply: its chunks as copied when the round finished, and the rows it wanted as
+        gathered then (``values[ROWS]``, by worker; a retried push's rows are gathered now if the round
+        took none for it)."""
+        rows = values.get(_ROWS, {}).get(msg.sender)
+        if msg.want_keys and (rows is None or rows[0] != msg.want_keys):
+            rows = (msg.want_keys, core.row_values(msg.want_keys, msg.want_rows))
+        row_keys, row_values = rows or ((), ())
+        return Params(sender=self.id, keys=msg.keys, values=tuple(values[k] for k in msg.keys), version=version,
+                      row_keys=row_keys, row_values=row_values)
 
     def _all_cores(self) -> list[ShardCore]:
         """Every chunk group this shard holds, served or backed up: membership changes apply to all, so
@@ -313,11 +351,17 @@ class PSShardNode(Node):
             if round_done is not None and not round_done.done():
                 # The replies' values, copied now (see _params): a member that has its reply may
                 # push into the next round before another member's reply is sent.
-                every = self._params(tuple(core.chunks), core)
-                result = (every.version, dict(zip(every.keys, every.values)))
                 keys, grads, seqs, samples = core.last_round or ((), (), {}, 0)
+                row_keys, rows, row_grads = core.last_round_rows
+                # Row-sparse chunks only where pushed whole: their members want rows (gathered below).
+                every = self._params(tuple(k for k, c in core.chunks.items() if not c.dim or k in keys), core)
+                values: dict[Any, Any] = dict(zip(every.keys, every.values))
+                wants = self._round_wants.pop(group, {})
+                values[_ROWS] = {w: (wk, core.row_values(wk, wr)) for w, (wk, wr) in wants.items()}
+                result = (every.version, values)
                 forward = self._forward(group, Replicate(group=group, fseq=0, op="round", keys=keys, grads=grads,
-                                                         samples=samples, round_seqs=seqs))
+                                                         samples=samples, round_seqs=seqs, row_keys=row_keys,
+                                                         rows=rows, row_grads=row_grads))
                 if forward is None:
                     round_done.set_result(result)
                 else:  # the members are answered once the backup applied the round too
@@ -337,10 +381,11 @@ class PSShardNode(Node):
             round_done.set_result(result)
 
     async def on_pull(self, msg: Pull, peer: bytes) -> Message:
-        core = self._primary_core(msg.keys, "pull")
+        core = self._primary_core(msg.keys or msg.row_keys, "pull")
         core.check_keys(msg.keys)
+        core.check_rows(msg.row_keys, msg.rows, None, "pull", msg.keys)
         self.stats["pulls"] += 1
-        return self._params(msg.keys, core)
+        return self._params(msg.keys, core, msg.row_keys, msg.rows)
 
     async def on_init(self, msg: Init, peer: bytes) -> Message:
         core = self._primary_core(msg.keys, "init")
@@ -598,10 +643,11 @@ class PSShardNode(Node):
             raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
                                f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
         core.check(msg.keys, msg.grads, "replicate")
+        core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
         if msg.op == "push":
-            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq)
+            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
         elif msg.op == "round":
-            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs)
+            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
         elif msg.op == "init":
             core.set_values(msg.keys, msg.grads)
         else:

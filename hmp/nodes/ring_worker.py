@@ -38,12 +38,16 @@ again it must be restarted (``[job] restarts``) and join anew.
 Data: each epoch's example order is the same on every worker (``ShuffledBatches`` with the data
 seed); a step takes the next ``members x batch_size`` examples of it and member ``r`` trains on
 the ``r``-th slice; the rest of an epoch shorter than a global batch is skipped (as DDP's
-``drop_last``). After a re-formed ring the same cursor goes on with the new member count.
+``drop_last``). After a re-formed ring the same cursor goes on with the new member count. So every
+member may train on any row and loads the whole training split; only rank 0 evaluates, and loads the
+test set (before joining: the first ring is the config's workers in order; or when a re-formed ring
+makes another member rank 0).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import time
 import zlib
@@ -109,6 +113,7 @@ class RingWorkerNode(WorkerNode):
         # dropped this member already, or is ending the job).
         self.out_of_ring = False
         self.bytes_out = 0.0
+        self.test_data: Any = None  # the test set, once this member evaluates (test_set())
         # Opened before the server starts (Node.run): the server and the ring's clients then offer shared
         # memory to members on this host, and the flat gradient buffer lives in it (main()), so ring pieces
         # to them carry a reference to the bucket, not its bytes (docs/shm.md).
@@ -172,7 +177,15 @@ class RingWorkerNode(WorkerNode):
 
     # ---------------------------------------------------------------- main
     async def main(self) -> None:
-        data = await self.in_thread(job.dataset, self.cfg)
+        # Every member trains on any row (each step is a slice of one shuffled order of the whole training split,
+        # and the member count changes when the ring is re-formed), so each loads the training split; only rank 0
+        # evaluates, so only it loads the test set (test_set()).
+        data = await self.in_thread(job.dataset, self.cfg, "train")
+        self.log.info("data_loaded", part="train", train_rows=len(data.y_train), test_rows=len(data.y_test))
+        if self.cfg.workers[0].id == self.id:
+            # The first ring is the config's workers in order, so this one will be its rank 0: the test set is
+            # loaded now, before the ring's first step (the other members would wait for the load inside it).
+            await self.test_set(data)
         replica = await self.in_thread(job.sharded_model, self.cfg, self.device)
         if self.arena is not None:
             replica.layout.move_grads(replica.model, replica.flat, self.arena.alloc)
@@ -186,6 +199,8 @@ class RingWorkerNode(WorkerNode):
         self.batch_size = int(welcome.info.get("batch_size") or self.batch_size)
         self.spawn(self.abort_ring_when_stopped(), name="stop-watch")
         try:
+            if self.assigned.rank == 0:
+                await self.test_set(data)  # a restarted member welcomed as rank 0 (loaded already otherwise)
             await self.use_assigned_ring()
             await self.train_ring(replica, data)
         except Exception as exc:
@@ -201,6 +216,16 @@ class RingWorkerNode(WorkerNode):
             await self.leave(f"failed: {self.failed}" if self.failed else "done")
             if self._stop_waiter is not None:
                 self._stop_waiter.cancel()
+
+    async def test_set(self, data: Any) -> Any:
+        """The test set, scaled by the training split's statistics; loaded once: before joining by the config's
+        first worker (rank 0 of the first ring), else the first time this member is rank 0 (a re-formed ring made
+        it so: the others then wait for the load in the next step's all-reduce, within ``[collective]
+        timeout_s``)."""
+        if self.test_data is None:
+            self.test_data = await self.in_thread(functools.partial(job.dataset, self.cfg, "test", stats=data.stats))
+            self.log.info("data_loaded", part="test", train_rows=0, test_rows=len(self.test_data.y_test))
+        return self.test_data
 
     def ring_metrics(self) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t_train0) if self.t_train0 else 1e-9
@@ -361,7 +386,8 @@ class RingWorkerNode(WorkerNode):
         # The replica's fingerprint, for the report: every member's must be the same.
         self.metrics["params_crc32"] = float(params_crc32(flat.params))
         if self.ring is not None and self.ring.rank == 0:
-            self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
+            test = await self.test_set(data)
+            self.metrics.update(await self.in_thread(evaluate, model, test.x_test, test.y_test))
             await self.export_model(model)
 
     async def export_model(self, model: torch.nn.Module) -> None:
@@ -384,7 +410,8 @@ class RingWorkerNode(WorkerNode):
         if self.ring is not None and self.ring.rank == 0 and self.next_eval == float("inf"):
             self.next_eval = now  # rank 0 of a re-formed ring (its old rank 0 was lost) evaluates from now on
         if self.ring is not None and self.ring.rank == 0 and now >= self.next_eval:
-            self.metrics.update(await self.in_thread(evaluate, model, data.x_test, data.y_test))
+            test = await self.test_set(data)
+            self.metrics.update(await self.in_thread(evaluate, model, test.x_test, test.y_test))
             self.next_eval = now + self.cfg.train.eval_every_s
             if target_reason(self.metrics, self.cfg.train):
                 # Stop with these parameters: this vote goes into the next step's control all-reduce and every

@@ -65,7 +65,8 @@ class SchedulerNode(Node):
         self.ps_layout: dict[str, Any] = {} if sharded is None else {
             "chunks": [[c.key, c.dtype, c.start, c.numel] for c in sharded.layout.chunks],
             "assignment": {str(i): list(keys) for i, keys in sharded.assignment.items()},
-            "parameters": [[p.name, p.dtype, p.offset, p.numel, list(p.shape)] for p in sharded.layout.slots]}
+            "parameters": [[p.name, p.dtype, p.offset, p.numel, list(p.shape)] for p in sharded.layout.slots],
+            "tables": [[t.name, t.dtype, t.offset, t.rows, t.dim] for t in sharded.layout.tables]}
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         # Only what it evaluates: the test set (a pipeline's planner also profiles a batch of training rows).
         self.dataset = job.dataset(cfg, "all" if cfg.placement.enabled else "test")

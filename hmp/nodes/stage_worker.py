@@ -1,11 +1,13 @@
 """The worker daemon of a ``[placement]`` job: runs whatever pipeline stage the scheduler assigns.
 
-A worker joins like any other, then waits for a ``stage_assign``. It pulls its stage's parameters
-from the PS shards and runs the micro-batch schedule of ``hmp/pipeline/schedule.py``: stage 0
-reads examples and sends activations forward, the last stage computes the loss and sends
-gradients back, each stage pushes its own chunks' gradients to the shards at the end of every
-step. A later ``stage_assign`` (a re-plan after a worker joined or left) aborts the step in
-flight, and the worker continues with its new layers from the step the scheduler names.
+A worker joins like any other (holding the test set only), then waits for a ``stage_assign``; the
+first time it is assigned stage 0, the one stage that reads examples, it loads the training split.
+It pulls its stage's parameters from the PS shards and runs the micro-batch schedule of
+``hmp/pipeline/schedule.py``: stage 0 reads examples and sends activations forward, the last
+stage computes the loss and sends gradients back, each stage pushes its own chunks' gradients
+to the shards at the end of every step. A later ``stage_assign`` (a re-plan after a worker joined
+or left) aborts the step in flight, and the worker continues with its new layers from the step
+the scheduler names.
 
 With ``[placement] overlap_push`` (the default) the push is not awaited at the end of the step:
 the next step starts at once while the shards apply it (docs/pipeline.md, "A step"). Its reply
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -145,6 +148,7 @@ class StageWorkerNode(ShardFollower, Node):
         self.events_bound = 4 * cfg.placement.micro_batches
         self._room = asyncio.Event()
         self.eval_ps: PSClient | None = None
+        self.train_data: Any = None  # the training split, once this worker is assigned stage 0 (load_train())
         self.held: list[Message] = []
         self.assign: StageAssign | None = None
         self.compute: StageCompute | None = None
@@ -202,13 +206,18 @@ class StageWorkerNode(ShardFollower, Node):
 
     # ---------------------------------------------------------------- main
     async def main(self) -> None:
-        self.data = await self.in_thread(job.dataset, self.cfg)
+        # Only stage 0 reads examples (the labels travel with the activations to the last stage), and the stages
+        # change with each plan: the training split is loaded when this worker is first assigned stage 0
+        # (load_train()). The test set (the last stage's evaluation, the warm-up's rows) is loaded by every worker.
+        self.data = await self.in_thread(job.dataset, self.cfg, "test")
+        self.log.info("data_loaded", part="test", train_rows=0, test_rows=len(self.data.y_test))
         self.sharded = await self.in_thread(job.sharded_model, self.cfg)
 
         def warm_up() -> None:
             # One untimed pass before joining: first calls initialise kernels and autograd (slow on a busy machine).
-            self.sharded.model(self.data.x_train[:2]).sum().backward()
-            self.sharded.flat.zero_grad()
+            if len(self.data.y_test):
+                self.sharded.model(self.data.x_test[:2]).sum().backward()
+                self.sharded.flat.zero_grad()
 
         await self.in_thread(warm_up)
         welcome = await self.join()
@@ -219,7 +228,7 @@ class StageWorkerNode(ShardFollower, Node):
         self.ps = StagePSClient(self.sharded, shards, name=self.id, cfg=self.cfg,
                                 timeout_s=self.cfg.limits.request_timeout_s)
         await self.ps.connect()
-        self.order = ExampleOrder(len(self.data.y_train), self.cfg.train.batch_size,
+        self.order = ExampleOrder(self.data.n_train, self.cfg.train.batch_size,
                                   self.cfg.placement.micro_batches, self.cfg.data.seed)
         self.start_heartbeat()
         # A report loop that dies (an evaluation that fails) fails the node at once (Node.spawn).
@@ -321,10 +330,20 @@ class StageWorkerNode(ShardFollower, Node):
         self.events.put_nowait(None)
 
     # ---------------------------------------------------------------- plan changes
+    async def load_train(self) -> None:
+        """The training split (stage 0's examples), loaded once, the first time this worker is assigned stage 0;
+        scaled by the statistics the test set was scaled by. A stop ends the wait (Stopped)."""
+        if self.train_data is None:
+            load = functools.partial(job.dataset, self.cfg, "train", stats=self.data.stats)
+            self.train_data = await self.or_stop(self.in_thread(load))
+            self.log.info("data_loaded", part="train", train_rows=len(self.train_data.y_train), test_rows=0)
+
     async def reconfigure(self, a: StageAssign) -> None:
         if self.compute is not None:
             self.metrics["aborted_micro_batches"] += self.compute.abort()
         await self.or_stop(self.settle_push())  # the old stage's last updates land; the buffers are free again
+        if a.stage == 0:
+            await self.load_train()  # before the plan's clock starts: its throughput is the pipeline's, not the load's
         self.ps.reset_buffers()
         self.assign, self.compute = a, None
         # Keep what arrived for this plan before its assignment did (a neighbour that got its own
@@ -384,7 +403,7 @@ class StageWorkerNode(ShardFollower, Node):
     async def drive_step(self) -> None:
         """Fill: send every micro-batch this worker handles forward, back to back."""
         self.started_step = True
-        x, y = self.data.x_train, self.data.y_train
+        x, y = self.train_data.x_train, self.train_data.y_train
         self.metrics["epoch"] = self.order.epoch_of(self.step)
         for m in self.step_mbs:
             ids = self.order.ids(self.step, m)

@@ -24,6 +24,13 @@ worker's start time in microseconds, so a restarted worker's pushes are new to e
 replicated shards (``[ps] replicas = 2``) the same ``shards`` message maps a lost shard's id to the
 address of the shard that took its chunks over, and the pushes in flight are re-sent there the same way.
 
+Row-sparse tables (a model with an ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True``;
+docs/protocol.md, "Row-sparse tables"): each push sends the rows of the table gradients and asks for
+the rows the next batch reads (``model.rows_touched(next batch)``, computed with the step); the reply
+carries them and they are written into the local table before the next step. A model without
+``rows_touched`` pulls its tables whole after each push instead. Worker 0 pulls the rows the test set
+reads before it evaluates (its local table holds fresh values only in the rows its batches read).
+
 A resumed job (``--resume``, docs/resilience.md): the welcome's ``resume`` holds this worker's counters
 as the previous part left them (samples, updates, epoch), which go on from there, and ``start_epoch``
 the epoch its static data share starts from (first-come-first-served work comes from the scheduler's
@@ -44,7 +51,7 @@ from hmp.client import PSClient
 from hmp.train.evaluate import evaluate, evaluate_sweep
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
 from hmp.config import BatchPolicyKind, Config, Role
-from hmp.data import ShuffledBatches
+from hmp.data import ShuffledBatches, take_rows, whole_batch
 from hmp.ema import ema
 from hmp import job
 from hmp.errors import HmpError, RemoteError
@@ -52,6 +59,22 @@ from hmp.messages import Assign, Kind, Report, Work
 from hmp.nodes.base import Node
 from hmp.nodes.shard_follower import ShardFollower
 from hmp.ps.schedule import lr_at
+
+
+async def _with_next(batches: AsyncIterator[torch.Tensor], ahead: bool) -> AsyncIterator[tuple[torch.Tensor, Any]]:
+    """``(batch, next batch or None)`` of ``batches`` (``ahead``: one batch read ahead, so that a step knows
+    the next batch's rows; else ``(batch, None)`` as they come, as before)."""
+    if not ahead:
+        async for idx in batches:
+            yield idx, None
+        return
+    prev = None
+    async for idx in batches:
+        if prev is not None:
+            yield prev, idx
+        prev = idx
+    if prev is not None:
+        yield prev, None
 
 
 def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
@@ -81,6 +104,7 @@ class WorkerNode(ShardFollower, Node):
         self.ps: PSClient | None = None  # once admitted
         self.start_epoch = 0  # --resume: the first epoch of a static data share
         self.samples_before = 0  # --resume: the samples of the previous parts
+        self._eval_rows: dict[str, torch.Tensor] | None = None  # the table rows the test set reads
 
     def handlers(self):
         return {**super().handlers(), Kind.SHARDS: self.on_shards}
@@ -146,20 +170,21 @@ class WorkerNode(ShardFollower, Node):
         await asyncio.gather(request, return_exceptions=True)
         return False
 
-    async def push_unless_stopped(self, ps: PSClient, samples: int) -> bool:
+    async def push_unless_stopped(self, ps: PSClient, samples: int, want: Any = None) -> bool:
         """Push the gradient buffer; False when the node was told to stop first.
 
         A push can block until the request timeout: a sync round or an SSP bound waits on other
         workers, and any push waits on a frozen or dead shard. SIGTERM or the scheduler's stop
         must end it at once rather than after the timeout, so every push is raced against
-        ``stopping`` (one task per push, besides the client's own per shard).
+        ``stopping`` (one task per push, besides the client's own per shard). ``want``: the rows of
+        the row-sparse tables the reply is to carry (:meth:`PSClient.push`).
         """
         if self.stopping.is_set():
             return False
         self.push_seq += 1
         seq = self.push_seq  # the same in every retry of this push: a shard applies it once
         try:
-            if not await self.with_shards(ps, lambda: ps.push(samples=samples, seq=seq), "push"):
+            if not await self.with_shards(ps, lambda: ps.push(samples=samples, seq=seq, want=want), "push"):
                 self.log.info("push_abandoned", reason="stopping")
                 return False
             return True
@@ -187,6 +212,8 @@ class WorkerNode(ShardFollower, Node):
         out = {**self.metrics, "samples_per_s": done_here / wall, "busy_fraction": self.busy_s / wall,
                "batch_size": float(self.batch_size), "busy_s": self.busy_s, "bytes_out": float(ps.bytes_out),
                "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
+        if ps.tables:
+            out["rows_pushed"] = float(ps.rows_pushed)
         versions = getattr(ps, "shard_versions", None)
         if versions and not self.cfg.sweep.members:
             # The rate of the last update the shards applied, as far as this worker has heard (the lowest
@@ -267,10 +294,28 @@ class WorkerNode(ShardFollower, Node):
         self.next_report = self.t_train0 + t.report_interval_s
         self.next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
 
+    async def fresh_tables(self, ps: PSClient, data: Any = None) -> bool:
+        """Before an evaluation (``data``: the data set; None: after a push), pull what the local row-sparse
+        tables need fresh (they are fresh only in the rows the batches read): the rows the test set reads
+        (``rows_touched``, worked out once), or the tables whole for a model without the method; False
+        when the node was told to stop first. Nothing to do for a dense model."""
+        if not ps.tables:
+            return True
+        rows_of = getattr(ps.model, "rows_touched", None)
+        if data is not None and rows_of is not None:
+            if self._eval_rows is None:
+                self._eval_rows = await self.in_thread(lambda: rows_of(whole_batch(data.x_test)))
+            rows = self._eval_rows
+            return await self.with_shards(ps, lambda: ps.pull(keys=ps.table_keys if not rows else (), rows=rows),
+                                          "pull")
+        return await self.with_shards(ps, lambda: ps.pull(keys=ps.table_keys), "pull")
+
     async def tick(self, ps: PSClient, data: Any) -> None:
         """After each step: evaluate (worker 0) and report to the scheduler when they are due."""
         now = time.monotonic()
         if now >= self.next_eval:
+            if not await self.fresh_tables(ps, data):
+                return
             self.metrics.update(await self.in_thread(self.evaluate, ps, data))
             self.next_eval = now + self.cfg.train.eval_every_s
         if now >= self.next_report:
@@ -293,16 +338,28 @@ class WorkerNode(ShardFollower, Node):
         array, flat = ps.sharded.array, ps.sharded.flat
         # Sweep: the values before the step, to push the step's delta (a copy by necessity).
         before = {d: torch.empty_like(t) for d, t in flat.params.items()} if array is not None else {}
+        # Row-sparse tables: the rows of the next batch come back with each push (None: whole tables are
+        # pulled after it, for a model that cannot say which rows a batch reads).
+        rows_of = getattr(model, "rows_touched", None) if ps.tables else None
+        if ps.tables and rows_of is None:
+            self.log.warning("whole_table_pulls", tables=list(ps.tables),
+                             why="the model has no rows_touched(batch) method")
 
-        def step(idx: torch.Tensor) -> tuple[float, list[float], float]:
-            """One step's compute, on the compute thread: (loss, sweep members' losses, seconds)."""
+        def step(idx: torch.Tensor, batch: Any, next_idx: torch.Tensor | None) -> tuple[float, list[float], float,
+                                                                                           Any, Any]:
+            """One step's compute, on the compute thread: (loss, sweep members' losses, seconds, the next batch's
+            rows of the row-sparse tables, the next batch when gathered for them)."""
             t0 = time.perf_counter()
             members: list[float] = []
+            want = next_batch = None
             if array is None:
                 flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
-                loss = F.cross_entropy(model(x[idx]), y[idx])
+                loss = F.cross_entropy(model(x[idx] if batch is None else batch), y[idx])
                 loss.backward()
                 lv = loss.item()  # waits for the device: the push reads finished gradients
+                if rows_of is not None and next_idx is not None:
+                    next_batch = x[next_idx]
+                    want = rows_of(next_batch)
             else:
                 # HFTA sweep: the fused optimizer (per-member hyper-parameters) steps locally; the
                 # delta old - new goes to the shards in the gradient buffer; they apply p -= 1 * delta.
@@ -313,24 +370,29 @@ class WorkerNode(ShardFollower, Node):
                     torch.sub(before[d], values, out=flat.grads[d])
                 members = member_losses.tolist()
                 lv = sum(members) / len(members)
-            return lv, members, time.perf_counter() - t0
+            return lv, members, time.perf_counter() - t0, want, next_batch
 
-        async for idx in self.batches(data.n_train, index, count):
+        batch = None
+        async for idx, next_idx in _with_next(self.batches(data.n_train, index, count), rows_of is not None):
             idx = idx - data.train_offset  # rows of the training split -> rows of this worker's share
+            if next_idx is not None:
+                next_idx = next_idx - data.train_offset
             if self.stopping.is_set() or self.stop_requested:
                 return
-            lv, members, busy = await self.in_thread(step, idx)
+            lv, members, busy, want, batch = await self.in_thread(step, idx, batch, next_idx)
             self.busy_s += busy
             if members:
                 self.metrics.update({f"member{b}_loss": v for b, v in enumerate(members)})
-            if not await self.push_unless_stopped(ps, len(idx)):
+            if not await self.push_unless_stopped(ps, len(idx), want):
+                return
+            if ps.tables and rows_of is None and not await self.fresh_tables(ps):
                 return
             self.step += 1
             loss_avg = ema(loss_avg, lv, 0.9)
             self.metrics.update(samples=self.metrics["samples"] + len(idx), updates=self.step, loss=loss_avg)
             await self.tick(ps, data)
         self.metrics["epoch"] = t.epochs
-        if index == 0:
+        if index == 0 and await self.fresh_tables(ps, data):
             self.metrics.update(await self.in_thread(self.evaluate, ps, data))
 
     def evaluate(self, ps: PSClient, data: Any) -> dict[str, float]:
@@ -347,6 +409,9 @@ class WorkerNode(ShardFollower, Node):
         flat = ps.sharded.flat
         if len(flat.grads) != 1:
             raise HmpError("hogwild_threads > 1 needs a model with one parameter dtype")
+        if ps.tables:  # the config check refuses it at load; this is for workers built by hand
+            raise HmpError(f"hogwild_threads > 1 needs a model without row-sparse tables ({', '.join(ps.tables)}): "
+                           "the threads sum dense gradients")
         (grad_buf,) = flat.grads.values()
         lr = self.cfg.optimizer.lr
         o = self.cfg.optimizer
@@ -381,8 +446,9 @@ class WorkerNode(ShardFollower, Node):
                 break
             trainer.batch_size = self.batch_size
             t0 = time.perf_counter()
-            run = asyncio.create_task(asyncio.to_thread(trainer.accumulate_gradients, x[ids], y[ids], acc, epochs=1,
-                                                        seed=self.step))
+            # take_rows: a unit of sparse rows stays CSRRows, from which the threads gather their own batches
+            run = asyncio.create_task(asyncio.to_thread(trainer.accumulate_gradients, take_rows(x, ids), y[ids], acc,
+                                                        epochs=1, seed=self.step))
             try:
                 while not run.done():
                     await asyncio.wait({run}, timeout=0.005)

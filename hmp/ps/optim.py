@@ -106,6 +106,39 @@ class ChunkOptimizer:
     def _update(self, param: Tensor, grad: Tensor) -> None:
         raise NotImplementedError
 
+    def step_rows(self, param: Tensor, rows: Tensor, grad: Tensor, dim: int) -> None:
+        """Update rows ``rows`` (int64, strictly increasing, each in ``[0, numel // dim)``) of ``param``
+        (1-D, ``numel`` elements, viewed as ``[numel // dim, dim]``) from ``grad`` (``[len(rows), dim]``):
+        a row-sparse push (docs/protocol.md, "Row-sparse tables"). Only those rows of the parameter and
+        of the optimizer state change; the update counts as one step (the schedule's and the bias
+        corrections' count), like a dense one. The caller has checked the rows."""
+        if param.shape != (self.numel,) or param.dtype != self.dtype or param.device != self.device:
+            raise ValueError(f"{self.name}: param is {param.dtype}{list(param.shape)} on {param.device}; "
+                             f"expected {self.dtype}[{self.numel}] on {self.device}")
+        if dim < 1 or self.numel % dim or grad.shape != (rows.numel(), dim) or grad.dtype != self.dtype:
+            raise ValueError(f"{self.name}: row gradient is {grad.dtype}{list(grad.shape)} for {rows.numel()} "
+                             f"rows of width {dim} of a {self.numel}-element chunk")
+        self.steps += 1
+        self._lr = self.lr if self.schedule is None else self.schedule.lr(self.lr, self.steps - 1)
+        if rows.numel() == 0:
+            return
+        rows = rows.to(self.device)
+        grad = grad.to(self.device)
+        with torch.no_grad():
+            self._update_rows(param.view(-1, dim), rows, grad, dim)
+
+    def tick(self) -> None:
+        """Count an update that carried no row of this chunk (a row-sparse chunk stays at its shard's
+        update count, which the schedule and the bias corrections read)."""
+        self.steps += 1
+        self._lr = self.lr if self.schedule is None else self.schedule.lr(self.lr, self.steps - 1)
+
+    def _rows(self, state: Tensor, dim: int) -> Tensor:
+        return state.view(-1, dim)
+
+    def _update_rows(self, table: Tensor, rows: Tensor, grad: Tensor, dim: int) -> None:
+        raise NotImplementedError
+
     def hyper(self) -> dict[str, Any]:
         """The hyper-parameters this optimizer was built with (for logs and checks)."""
         return {k: getattr(self, k) for k in _HYPER[self.name]}
@@ -181,6 +214,23 @@ class ChunkSGD(ChunkOptimizer):
                 d_p = buf
         param.add_(d_p, alpha=-self._lr)
 
+    def _update_rows(self, table: Tensor, rows: Tensor, grad: Tensor, dim: int) -> None:
+        # Rows only: weight decay reaches the touched rows only, and momentum is lazy (a row's buffer
+        # moves only when the row is touched).
+        p = table.index_select(0, rows)  # a gather: the rows are not contiguous
+        d_p = grad
+        if self.weight_decay:
+            d_p = torch.add(grad, p, alpha=self.weight_decay)
+        if self.momentum:
+            # A row's buffer starts at zero, so its first update is (1 - dampening) * g: torch's first
+            # step (the buffer set to g) when dampening is 0, and no per-row "started" state to keep.
+            bufs = self._rows(self.momentum_buffer, dim)
+            buf = bufs.index_select(0, rows)
+            buf.mul_(self.momentum).add_(d_p, alpha=1 - self.dampening)
+            bufs.index_copy_(0, rows, buf)
+            d_p = torch.add(d_p, buf, alpha=self.momentum) if self.nesterov else buf
+        table.index_copy_(0, rows, p.add_(d_p, alpha=-self._lr))
+
 
 class ChunkAdam(ChunkOptimizer):
     """``torch.optim.Adam`` on one chunk (L2 weight decay, or AdamW with ``decoupled_weight_decay``)."""
@@ -227,6 +277,30 @@ class ChunkAdam(ChunkOptimizer):
         denom = torch.sqrt(self.exp_avg_sq, out=self._scratch).div_(bc2_sqrt).add_(self.eps)
         param.addcdiv_(self.exp_avg, denom, value=-step_size)
 
+    def _update_rows(self, table: Tensor, rows: Tensor, grad: Tensor, dim: int) -> None:
+        # Lazy Adam, as torch.optim.SparseAdam computes it (same operations in the same order, so the
+        # same bits): the moments of the touched rows only; the step count t is the chunk's, which
+        # counts every update of its shard (ChunkOptimizer.tick), touched or not.
+        b1, b2 = self.betas
+        if self.weight_decay:  # SparseAdam has none: L2 (or decoupled) on the touched rows only
+            p = table.index_select(0, rows)
+            if self.decoupled_weight_decay:
+                table.index_copy_(0, rows, p.mul_(1 - self._lr * self.weight_decay))
+            else:
+                grad = torch.add(grad, p, alpha=self.weight_decay)
+        exp_avg, exp_avg_sq = self._rows(self.exp_avg, dim), self._rows(self.exp_avg_sq, dim)
+        old_exp_avg = exp_avg.index_select(0, rows)
+        exp_avg_update = grad.sub(old_exp_avg).mul_(1 - b1)
+        exp_avg.index_copy_(0, rows, old_exp_avg + exp_avg_update)
+        old_exp_avg_sq = exp_avg_sq.index_select(0, rows)
+        exp_avg_sq_update = grad.pow(2).sub_(old_exp_avg_sq).mul_(1 - b2)
+        exp_avg_sq.index_copy_(0, rows, old_exp_avg_sq + exp_avg_sq_update)
+        numer = exp_avg_update.add_(old_exp_avg)
+        exp_avg_sq_update.add_(old_exp_avg_sq)
+        denom = exp_avg_sq_update.sqrt_().add_(self.eps)
+        step_size = self._lr * math.sqrt(1 - b2**self.steps) / (1 - b1**self.steps)
+        table.index_copy_(0, rows, table.index_select(0, rows) + (-step_size * numer.div_(denom)))
+
 
 class ChunkAdagrad(ChunkOptimizer):
     """``torch.optim.Adagrad`` on one chunk."""
@@ -264,6 +338,18 @@ class ChunkAdagrad(ChunkOptimizer):
         self.sum.addcmul_(grad, grad, value=1)
         std = torch.sqrt(self.sum, out=self._std).add_(self.eps)
         param.addcdiv_(grad, std, value=-clr)
+
+    def _update_rows(self, table: Tensor, rows: Tensor, grad: Tensor, dim: int) -> None:
+        # torch.optim.Adagrad's sparse path (same operations in the same order): the accumulators of
+        # the touched rows only; weight decay (which torch refuses with sparse gradients) on those rows.
+        if self.weight_decay:
+            grad = torch.add(grad, table.index_select(0, rows), alpha=self.weight_decay)
+        clr = self._lr / (1 + (self.steps - 1) * self.lr_decay)
+        sums = self._rows(self.sum, dim)
+        new_sum = sums.index_select(0, rows) + grad.pow(2)
+        sums.index_copy_(0, rows, new_sum)
+        std = new_sum.sqrt_().add_(self.eps)
+        table.index_copy_(0, rows, table.index_select(0, rows).add_(grad / std, alpha=-clr))
 
 
 def _check_nonneg(**values: float) -> None:

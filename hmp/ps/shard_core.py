@@ -31,6 +31,16 @@ group fed with what the primary applied: :meth:`ShardCore.apply` with the forwar
 The optimizers are deterministic, so the same gradients applied in the same order give a bit-identical
 copy: values, optimizer state, version and push numbers. :meth:`ShardCore.replica_bytes` is a whole
 copy, for a new backup (:meth:`ShardCore.load_replica_bytes`).
+
+Row-sparse tables (docs/protocol.md, "Row-sparse tables"): a chunk built with a row width (``row_dims``)
+holds whole rows of an embedding table, and a push may carry gradients of some of its rows only
+(``row_keys``, ``rows``, ``row_grads``; :meth:`ShardCore.check_rows`): only those rows of the values and
+of the optimizer state change (:meth:`hmp.ps.optim.ChunkOptimizer.step_rows`). Every update of the
+shard counts as a step of each of its row-sparse chunks, touched or not, so that a chunk's step count
+(the schedule's and Adam's bias corrections') is the shard's update count, as for dense chunks. In sync
+mode a round sums the rows its members pushed into the chunk's aggregation buffer (kept at zero
+between rounds) and applies the union of the touched rows, averaged over the round's members (a member
+that did not touch a row contributed zero to it).
 """
 
 from __future__ import annotations
@@ -103,13 +113,22 @@ class ChunkState:
     optimizer: Any
     agg: torch.Tensor | None = None  # [numel]; sync mode only, allocated once
     contributors: int = 0
+    dim: int = 0  #: a row-sparse chunk's row width (0: dense)
+    touched: list[torch.Tensor] = dataclasses.field(default_factory=list)  # sync: the rows pushed this round
+
+    @property
+    def rows(self) -> int:
+        """Whole rows of a row-sparse chunk (0 for a dense one)."""
+        return self.param.numel() // self.dim if self.dim else 0
 
 
 class ShardCore:
     """State of one PS shard. ``version`` counts optimizer steps applied (the shard's clock)."""
 
     def __init__(self, shard_id: str, chunks: dict[int, torch.Tensor], optimizer: str, hyper: dict[str, Any],
-                 consistency: str = Consistency.ASYNC, staleness: int = 0, workers: Iterable[str] = ()) -> None:
+                 consistency: str = Consistency.ASYNC, staleness: int = 0, workers: Iterable[str] = (),
+                 row_dims: dict[int, int] | None = None) -> None:
+        """``row_dims``: ``{chunk key: row width}`` of the chunks that hold rows of a row-sparse table."""
         if consistency not in tuple(Consistency):
             raise ValueError(f"consistency must be async, sync or ssp, got {consistency!r}")
         self.shard_id = shard_id
@@ -118,9 +137,16 @@ class ShardCore:
         self.optimizer_name, self.hyper = optimizer, dict(hyper)
         # Cloned once at start: the shard owns and mutates its chunks, while the given values are views of the
         # model (or of a received frame) that the caller keeps.
+        row_dims = row_dims or {}
         self.chunks = {k: ChunkState(k, v.detach().clone().reshape(-1),
-                                     make_chunk_optimizer(optimizer, v.numel(), dtype=v.dtype, **hyper))
+                                     make_chunk_optimizer(optimizer, v.numel(), dtype=v.dtype, **hyper),
+                                     dim=int(row_dims.get(k, 0)))
                        for k, v in chunks.items()}
+        for c in self.chunks.values():
+            if c.dim and c.param.numel() % c.dim:
+                raise ValueError(f"chunk {c.key} has {c.param.numel()} elements, not whole rows of width {c.dim}")
+        #: the row-sparse chunks (ticked by updates that carry none of their rows)
+        self.row_chunks = tuple(k for k, c in self.chunks.items() if c.dim)
         self.version = 0
         self.updates_applied = 0  # pushes applied (async/ssp) or rounds completed (sync)
         self.samples = 0
@@ -136,6 +162,9 @@ class ShardCore:
         #: sync: what the last finish_round applied, ``(keys, gradients, seqs, samples)``, for a backup
         #: (:meth:`apply_round`); the gradients are the aggregation buffers, valid until the next round starts
         self.last_round: tuple[tuple[int, ...], tuple[torch.Tensor, ...], dict[str, int], int] | None = None
+        #: sync: the row-sparse part of the last round, ``(row keys, rows, averaged row gradients)`` (new tensors)
+        self._zero_after_forward: tuple[int, ...] = ()  # sync: row-sparse chunks the last round applied whole
+        self.last_round_rows: tuple[tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), (), ())
         for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
             self.add_worker(w)
 
@@ -172,6 +201,75 @@ class ShardCore:
                 bad = int((~torch.isfinite(t)).sum())
                 raise RequestError(f"{what}: chunk {k} has {bad} NaN or infinite value(s); nothing was applied",
                                    "non_finite")
+
+    def check_rows(self, row_keys: Sequence[int], rows: Sequence[torch.Tensor],
+                   tensors: Sequence[torch.Tensor] | None, what: str, keys: Sequence[int] = ()) -> None:
+        """Refuse a row-sparse part that cannot be applied (or, ``tensors`` None, rows that cannot be
+        read): as many row tensors (and gradients) as ``row_keys``, no key twice or also in ``keys``
+        (whole chunks), chunks this shard owns that are row-sparse, row ids int64, 1-D, strictly
+        increasing (sorted, no duplicates) and in ``[0, rows of the chunk)``, gradients of the chunk's
+        dtype shaped ``[len(rows), dim]``."""
+        if len(rows) != len(row_keys) or (tensors is not None and len(tensors) != len(row_keys)):
+            raise RequestError(f"{what}: {len(row_keys)} row keys but {len(rows)} row id tensors"
+                               + ("" if tensors is None else f" and {len(tensors)} row gradients"), "bad_request")
+        if len(set(row_keys)) != len(row_keys):
+            raise RequestError(f"{what}: duplicate row keys", "bad_request")
+        both = sorted(set(row_keys) & set(keys))
+        if both:
+            raise RequestError(f"{what}: chunks {both} are both whole and by rows", "bad_request")
+        for i, (k, r) in enumerate(zip(row_keys, rows)):
+            c = self.chunks.get(k)
+            if c is None:
+                raise RequestError(f"{what}: shard {self.shard_id} does not own chunk {k}; owns "
+                                   f"{min(self.chunks, default=None)}..{max(self.chunks, default=None)}", "unknown_key")
+            if not c.dim:
+                raise RequestError(f"{what}: chunk {k} is dense (not rows of a row-sparse table); send it whole "
+                                   "in keys", "bad_request")
+            if r.dtype != torch.int64:
+                raise RequestError(f"{what}: row ids of chunk {k} must be int64, got {r.dtype}", "bad_dtype")
+            if r.dim() != 1:
+                raise RequestError(f"{what}: row ids of chunk {k} must be 1-D, got shape {list(r.shape)}", "bad_shape")
+            n = r.numel()
+            if n:
+                lo, hi = int(r.min()), int(r.max())
+                if lo < 0 or hi >= c.rows:
+                    bad = lo if lo < 0 else hi
+                    raise RequestError(f"{what}: row id {bad} of chunk {k} is out of range [0, {c.rows})",
+                                       "bad_request")
+                if n > 1 and not bool((r[1:] > r[:-1]).all()):
+                    dup = bool((r[1:] == r[:-1]).any()) or torch.unique(r).numel() != n
+                    raise RequestError(f"{what}: row ids of chunk {k} must be strictly increasing ("
+                                       f"{'duplicate ids' if dup else 'not sorted'})", "bad_request")
+            if tensors is not None:
+                g = tensors[i]
+                if g.dtype != c.param.dtype:
+                    raise RequestError(f"{what}: chunk {k} is {c.param.dtype}, got row gradients of {g.dtype}",
+                                       "bad_dtype")
+                if tuple(g.shape) != (n, c.dim):
+                    raise RequestError(f"{what}: row gradients of chunk {k} must have shape [{n}, {c.dim}] "
+                                       f"({n} rows of width {c.dim}), got {list(g.shape)}", "bad_shape")
+
+    def row_values(self, row_keys: Sequence[int], rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Copies of rows ``rows[i]`` of chunk ``row_keys[i]``, each ``[len(rows[i]), dim]`` (a gather:
+        the rows are not contiguous, and the copy keeps a reply from showing a later update)."""
+        out = []
+        for k, r in zip(row_keys, rows):
+            c = self.chunks[k]
+            out.append(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)))
+        return tuple(out)
+
+    def _step_rows_and_tick(self, dense: Sequence[int], row_keys: Sequence[int], rows: Sequence[torch.Tensor],
+                            row_grads: Sequence[torch.Tensor]) -> None:
+        """The row-sparse part of one update: rows of ``row_keys`` stepped, every other row-sparse chunk
+        not stepped whole (``dense``) ticked."""
+        for k, r, g in zip(row_keys, rows, row_grads):
+            c = self.chunks[k]
+            c.optimizer.step_rows(c.param, r, g, c.dim)
+        if self.row_chunks:
+            stepped = set(dense) | set(row_keys)
+            for k in self.row_chunks:
+                if k not in stepped:
+                    self.chunks[k].optimizer.tick()
 
     def check_keys(self, keys: Iterable[int]) -> None:
         for k in keys:
@@ -216,12 +314,15 @@ class ShardCore:
         return self.clock.get(worker, 0) - slowest <= self.staleness
 
     def apply(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-              seq: int = 0) -> int:
+              seq: int = 0, row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
+              row_grads: Sequence[torch.Tensor] = ()) -> int:
         """Apply one worker's gradients at once (async, ssp); returns the new version. ``seq``: the
-        push's number (0: none), remembered so that a retry of it is not applied again (:meth:`seen`)."""
+        push's number (0: none), remembered so that a retry of it is not applied again (:meth:`seen`).
+        ``row_keys``, ``rows``, ``row_grads``: its row-sparse part (checked: :meth:`check_rows`)."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
+        self._step_rows_and_tick(keys, row_keys, rows, row_grads)
         self.version += 1
         self.updates_applied += 1
         self.samples += samples
@@ -233,23 +334,40 @@ class ShardCore:
 
     # ---------------------------------------------------------------- sync
     def contribute(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-                   seq: int = 0) -> None:
+                   seq: int = 0, row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
+                   row_grads: Sequence[torch.Tensor] = ()) -> None:
         """Sync: fold one worker's gradients into this round's aggregation buffers (``seq``: as for
-        :meth:`apply`, remembered as applied when the round is)."""
+        :meth:`apply`, remembered as applied when the round is; the row-sparse part as for :meth:`apply`)."""
         if worker in self.round_members:
             raise RequestError(f"{worker} pushed twice in sync round {self.version}", "bad_request")
         self.round_members.add(worker)
+        self.zero_row_buffers()
         if seq > 0:
             self.round_seq[worker] = seq
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             if c.agg is None:
-                c.agg = torch.empty_like(c.param)
+                c.agg = torch.zeros_like(c.param) if c.dim else torch.empty_like(c.param)
             # First arrival copied (its receive frame is released after this request), later added in place.
-            accumulate(c.agg, g, first=c.contributors == 0)
+            # A row-sparse chunk's buffer is kept at zero between rounds (rows may come first): always added.
+            accumulate(c.agg, g, first=c.contributors == 0 and not c.dim)
             c.contributors += 1
+        for k, r, g in zip(row_keys, rows, row_grads):
+            c = self.chunks[k]
+            if c.agg is None:
+                c.agg = torch.zeros_like(c.param)
+            c.agg.view(-1, c.dim).index_add_(0, r, g)
+            # A copy of the ids (small): the received ones are views of a frame released after this request.
+            c.touched.append(r.clone())
         self.samples += samples
         self.round_samples += samples
+
+    def zero_row_buffers(self) -> None:
+        """Sync: zero the aggregation buffers of row-sparse chunks the last round applied whole (call before
+        the next contribution; the round's forward has read them by then)."""
+        for k in self._zero_after_forward:
+            self.chunks[k].agg.zero_()
+        self._zero_after_forward = ()
 
     def round_complete(self) -> bool:
         return bool(self.round_members) and self.live_workers <= self.round_members
@@ -257,18 +375,43 @@ class ShardCore:
     def finish_round(self) -> int:
         """Sync: average and apply the round's gradients; returns the new version."""
         applied: list[int] = []
+        members = max(1, len(self.round_members))
+        row_keys: list[int] = []
+        row_ids: list[torch.Tensor] = []
+        row_grads: list[torch.Tensor] = []
         for c in self.chunks.values():
             if c.contributors:
-                if c.contributors > 1:
-                    scale_(c.agg, 1.0 / c.contributors)
+                if c.dim:  # a row-sparse chunk pushed whole (by some member): every member's share counts
+                    if members > 1:
+                        scale_(c.agg, 1.0 / members)
+                else:
+                    if c.contributors > 1:
+                        scale_(c.agg, 1.0 / c.contributors)
                 c.optimizer.step(c.param, c.agg)
                 c.contributors = 0
+                c.touched.clear()
                 applied.append(c.key)
+            elif c.touched:
+                rows = torch.unique(torch.cat(c.touched))  # sorted, each once
+                c.touched.clear()
+                agg = c.agg.view(-1, c.dim)
+                g = agg.index_select(0, rows)
+                if members > 1:
+                    scale_(g, 1.0 / members)
+                agg.index_fill_(0, rows, 0)  # zero again for the next round
+                row_keys.append(c.key)
+                row_ids.append(rows)
+                row_grads.append(g)
+        self._step_rows_and_tick(applied, row_keys, row_ids, row_grads)
+        self.last_round_rows = (tuple(row_keys), tuple(row_ids), tuple(row_grads))
         self.round_members.clear()
         for w, seq in self.round_seq.items():
             self.last_seq[w] = max(seq, self.last_seq.get(w, 0))
         self.last_round = (tuple(applied), tuple(self.chunks[k].agg for k in applied), dict(self.round_seq),
                            self.round_samples)
+        # A row-sparse chunk pushed whole: its buffer goes back to zero (rows may come first next round), once
+        # the backup has it (ps_shard waits for the round's forward before the next round writes buffers).
+        self._zero_after_forward = tuple(k for k in applied if self.chunks[k].dim)
         self.round_seq.clear()
         self.round_samples = 0
         self.version += 1
@@ -276,12 +419,15 @@ class ShardCore:
         return self.version
 
     def apply_round(self, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-                    seqs: dict[str, int]) -> int:
+                    seqs: dict[str, int], row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
+                    row_grads: Sequence[torch.Tensor] = ()) -> int:
         """A backup (sync): apply a round its primary completed (:attr:`last_round`: the averaged
-        gradients, the push numbers it applied per worker, its examples); returns the new version."""
+        gradients, the push numbers it applied per worker, its examples; :attr:`last_round_rows`: its
+        row-sparse part); returns the new version."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
+        self._step_rows_and_tick(keys, row_keys, rows, row_grads)
         for w, seq in seqs.items():
             self.last_seq[w] = max(int(seq), self.last_seq.get(w, 0))
         self.samples += samples
@@ -311,6 +457,9 @@ class ShardCore:
         self.round_samples = 0
         for c in self.chunks.values():
             c.contributors = 0
+            if c.dim and c.touched:
+                c.touched.clear()
+                c.agg.zero_()
 
     # ---------------------------------------------------------------- init / checkpoint
     def set_values(self, keys: Sequence[int], values: Sequence[torch.Tensor]) -> None:

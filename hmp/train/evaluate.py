@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from hmp.data import whole_batch
+
 
 def evaluate_sweep(array: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     """Per-member test accuracy of an HFTA sweep (``member<b>_accuracy``), the best as ``test_accuracy``."""
@@ -16,13 +18,15 @@ def evaluate_sweep(array: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, fl
     return out
 
 
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, x: Any, y: torch.Tensor, batch: int = 4096) -> dict[str, float]:
+    """Test accuracy and mean cross-entropy of ``model`` on ``(x, y)``, ``batch`` rows at a time. ``x``: a
+    feature tensor, or :class:`hmp.data.CSRRows` (each slice reaches the model as a ``CSRBatch``)."""
     device = next(model.parameters()).device
     correct, loss, n = 0, 0.0, len(y)
     model.eval()
     with torch.no_grad():
         for i in range(0, n, batch):
-            out = model(x[i:i + batch].to(device))
+            out = model(whole_batch(x[i:i + batch]).to(device))
             yy = y[i:i + batch].to(device)
             loss += torch.nn.functional.cross_entropy(out, yy, reduction="sum").item()
             correct += (out.argmax(1) == yy).sum().item()

@@ -379,3 +379,43 @@ async def test_a_sparse_svmlight_job_trains_through_the_api(tmp_path):
     acc = report["final"]["test_accuracy"]
     print(f"sparse svmlight job: test accuracy {acc:.3f} (majority {majority:.3f})")
     assert acc > majority + 0.2
+
+
+def _peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM), MiB; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+async def test_a_sparse_svmlight_jobs_daemons_stay_far_below_the_dense_size(tmp_path):
+    """Peak memory per daemon of a sparse svmlight job (sparse_mlp), read from /proc while the daemons live:
+    5,000 rows over 80,000 columns are 1.6 GB as a dense float32 matrix, which every daemon would hold (the
+    scheduler its test rows, the worker its training rows); as CSR rows each daemon stays near its empty size."""
+    import asyncio
+
+    import hmp
+
+    rows, columns = 5000, 80_000
+    write_sparse_svmlight(tmp_path / "wide.svm", rows, columns, 10)
+    # hmp's sparse_mlp: its row-sparse table's pushes and pulls carry only the rows a batch touches, too.
+    cfg = write_job(tmp_path, data='kind = "svmlight"\npath = "wide.svm"\nsparse = true', model="sparse_mlp",
+                    args=f"{{ num_features = {columns} }}", epochs=1)
+    peak: dict[str, float] = {}
+    async with hmp.LocalCluster(cfg) as cluster:
+        train = asyncio.ensure_future(cluster.train(timeout_s=120))
+        while not train.done():
+            for node, proc in cluster.procs.items():
+                if proc.returncode is None and (mib := _peak_rss_mib(proc.pid)) is not None:
+                    peak[node] = max(peak.get(node, 0.0), mib)
+            await asyncio.wait({train}, timeout=0.1)
+        report = train.result()
+    dense_mib = rows * columns * 4 / 2**20
+    print(f"peak RSS per daemon (MiB): {peak}; the dense matrix alone: {dense_mib:.0f} MiB")
+    assert set(peak) == {"scheduler", "ps0", "cpu0"} and report["final"]["stop_reason"]
+    # The bound: a daemon holding even a fifth of the rows densely (the scheduler's test split) exceeds it.
+    assert max(peak.values()) < 0.2 * dense_mib + 250, peak

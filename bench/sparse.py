@@ -20,10 +20,11 @@ and peak RSS per daemon (``VmHWM``, MiB). Figures: ``sparse_vs_dense`` (samples/
 ``sparse_vs_single_process`` (samples/s ratio), ``sparse_bytes_per_step`` / ``dense_bytes_per_step`` and
 ``sparse_rows_per_step`` (rows pushed per step: the bytes follow the rows a batch touches, not the table).
 
-``[ps] chunk_bytes`` is 8 MiB here (``--chunk-bytes``): a sparse push costs a few tensor operations per
-table chunk it touches (ids checked, rows gathered and updated, on both ends), so with 1 MiB chunks (64
-for the 64 MiB table, nearly all touched by every batch) those dominate the step (measured: 17.5k
-against 44.7k samples/s at 8 MiB, 200k rows); 8 chunks still spread the table over both shards.
+Both hmp jobs run with the config's defaults, so the table is cut into ``[ps] table_chunk_bytes`` (8 MiB)
+chunks (``--table-chunk-bytes`` overrides it): a sparse push costs a few tensor operations per table chunk
+it touches (ids checked, rows gathered and updated, on both ends), so with 1 MiB chunks (64 for the 64 MiB
+table, nearly all touched by every batch) those dominate the step (measured: 17.5k against 44.7k samples/s
+at 8 MiB, 200k rows); 8 chunks still spread the table over both shards.
 
     python bench/sparse.py [--json] [--rows N] [--features N] [--fields N] [--seconds S] [--batch N]
                            [--skip dense,single_process]
@@ -72,7 +73,8 @@ def generate(path: Path, rows: int, features: int, fields: int, seed: int = 0) -
     return float(labels.mean())
 
 
-def job_text(tmp: Path, data: Path, features: int, sparse: bool, seconds: float, batch: int, chunk_bytes: int) -> str:
+def job_text(tmp: Path, data: Path, features: int, sparse: bool, seconds: float, batch: int,
+             table_chunk_bytes: int | None) -> str:
     return f"""
 [job]
 name = "sparse_bench_{'sparse' if sparse else 'dense'}"
@@ -108,7 +110,7 @@ report_interval_s = 1.0
 request_timeout_s = 120
 
 [ps]
-chunk_bytes = {chunk_bytes}
+{"" if table_chunk_bytes is None else f"table_chunk_bytes = {table_chunk_bytes}"}
 
 [[nodes]]
 id = "scheduler"
@@ -152,11 +154,11 @@ def _hwm_mib(pid: int) -> float | None:
 
 
 async def run_hmp(tmp: Path, data: Path, features: int, sparse: bool, seconds: float, batch: int,
-                  chunk_bytes: int) -> dict[str, Any]:
+                  table_chunk_bytes: int | None) -> dict[str, Any]:
     from hmp.cluster import LocalCluster
 
     path = tmp / ("sparse.toml" if sparse else "dense.toml")
-    path.write_text(job_text(tmp, data, features, sparse, seconds, batch, chunk_bytes))
+    path.write_text(job_text(tmp, data, features, sparse, seconds, batch, table_chunk_bytes))
     peak: dict[str, float] = {}
     t0 = time.monotonic()
     async with LocalCluster(path) as cluster:
@@ -232,8 +234,9 @@ def main() -> None:
     ap.add_argument("--fields", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=25.0, help="training seconds per run (plus start-up)")
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--chunk-bytes", type=int, default=8 << 20,
-                    help="[ps] chunk_bytes of both hmp jobs (a sparse push costs per table chunk it touches)")
+    ap.add_argument("--table-chunk-bytes", type=int, default=None,
+                    help="[ps] table_chunk_bytes of the sparse job (default: the config's, 8 MiB; a sparse push "
+                         "costs per table chunk it touches)")
     ap.add_argument("--skip", default="", help="comma-separated: dense, single_process")
     ap.add_argument("--baseline-of", default="", help=argparse.SUPPRESS)  # internal: run the baseline on this file
     args = ap.parse_args()
@@ -243,7 +246,7 @@ def main() -> None:
     skip = {s for s in args.skip.split(",") if s}
     tmp = Path(tempfile.mkdtemp(prefix="hmp-sparse-bench-"))
     out: dict[str, Any] = {"rows": args.rows, "features": args.features, "fields": args.fields,
-                           "batch_size": args.batch, "seconds": args.seconds, "chunk_bytes": args.chunk_bytes,
+                           "batch_size": args.batch, "seconds": args.seconds, "table_chunk_bytes": args.table_chunk_bytes,
                            "cpus": os.cpu_count()}
     try:
         data = tmp / "click.svm"
@@ -252,10 +255,10 @@ def main() -> None:
         out["generate_s"] = round(time.perf_counter() - t, 1)
         out["file_mib"] = round(data.stat().st_size / 2**20, 1)
         out["sparse"] = asyncio.run(run_hmp(tmp, data, args.features, True, args.seconds, args.batch,
-                                            args.chunk_bytes))
+                                            args.table_chunk_bytes))
         if "dense" not in skip:
             out["dense"] = asyncio.run(run_hmp(tmp, data, args.features, False, args.seconds, args.batch,
-                                               args.chunk_bytes))
+                                               args.table_chunk_bytes))
         if "single_process" not in skip:
             proc = subprocess.run([sys.executable, __file__, "--baseline-of", str(data), "--features",
                                    str(args.features), "--seconds", str(args.seconds), "--batch", str(args.batch)],

@@ -154,8 +154,10 @@ class FlatLayout:
     ``sizes``: ``(dtype, numel)`` per flat buffer, dtypes in order of first appearance.
     ``chunks``: the chunks of every buffer, keys ``0..len-1`` in (dtype, start) order.
     ``chunk_bytes``: the largest chunk size in bytes this layout was cut with.
-    ``tables``: the row-sparse tables (:class:`RowTable`), whose chunks hold whole rows (a chunk of
-    ``chunk_bytes`` holds ``chunk_bytes // (dim * itemsize)`` rows, at least one).
+    ``tables``: the row-sparse tables (:class:`RowTable`), whose chunks hold whole rows (a chunk holds
+    ``table_chunk_bytes // (dim * itemsize)`` rows, at least one).
+    ``table_chunk_bytes``: the tables' chunk size in bytes (0: ``chunk_bytes``). A sparse push or pull costs a
+    little per table chunk it touches, and a batch touches rows all over a table, so tables are cut coarser.
 
     The layout depends only on parameter names, shapes and dtypes, so every worker
     building the same model gets the same layout (compare with ``==``).
@@ -166,18 +168,22 @@ class FlatLayout:
     chunks: tuple[Chunk, ...]
     chunk_bytes: int
     tables: tuple[RowTable, ...] = ()
+    table_chunk_bytes: int = 0
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def from_named_parameters(
         cls, named: Iterable[tuple[str, Tensor]], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        row_tables: Iterable[str] = (),
+        row_tables: Iterable[str] = (), table_chunk_bytes: int = 0,
     ) -> FlatLayout:
         """Lay out ``(name, tensor)`` pairs (those with ``requires_grad``) and cut chunks. ``row_tables``: the
-        names of the 2-D parameters to lay out as row-sparse tables (chunk boundaries on row boundaries)."""
+        names of the 2-D parameters to lay out as row-sparse tables (chunk boundaries on row boundaries), cut
+        into chunks of about ``table_chunk_bytes`` (0: ``chunk_bytes``)."""
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if not isinstance(table_chunk_bytes, int) or table_chunk_bytes < 0:
+            raise ValueError(f"table_chunk_bytes must be an int >= 0, got {table_chunk_bytes!r}")
         slots: list[ParamSlot] = []
         sizes: dict[str, int] = {}
         row_tables = set(row_tables)
@@ -206,20 +212,22 @@ class FlatLayout:
             for t in (t for t in tables if t.dtype == d):
                 for start in range(pos, t.offset, per_chunk):
                     chunks.append(Chunk(len(chunks), d, start, min(per_chunk, t.offset - start)))
-                per_rows = max(1, per_chunk // t.dim)
+                per_rows = max(1, (table_chunk_bytes or chunk_bytes) // _itemsize(d) // t.dim)
                 for row in range(0, t.rows, per_rows):
                     n = min(per_rows, t.rows - row)
                     chunks.append(Chunk(len(chunks), d, t.offset + row * t.dim, n * t.dim, t.dim, row, t.name))
                 pos = t.offset + t.rows * t.dim
             for start in range(pos, total, per_chunk):
                 chunks.append(Chunk(len(chunks), d, start, min(per_chunk, total - start)))
-        return cls(tuple(slots), tuple(sizes.items()), tuple(chunks), chunk_bytes, tuple(tables))
+        return cls(tuple(slots), tuple(sizes.items()), tuple(chunks), chunk_bytes, tuple(tables), table_chunk_bytes)
 
     @classmethod
-    def from_model(cls, model: nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> FlatLayout:
+    def from_model(cls, model: nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   table_chunk_bytes: int = 0) -> FlatLayout:
         """Lay out ``model``'s trainable parameters (its row-sparse tables: :func:`row_sparse_tables`);
         see :meth:`from_named_parameters`."""
-        return cls.from_named_parameters(model.named_parameters(), chunk_bytes, row_sparse_tables(model))
+        return cls.from_named_parameters(model.named_parameters(), chunk_bytes, row_sparse_tables(model),
+                                         table_chunk_bytes)
 
     # ------------------------------------------------------------------ queries
 
@@ -261,7 +269,7 @@ class FlatLayout:
 
     def check(self, model: nn.Module) -> None:
         """Raise ``ValueError`` naming the first difference if ``model`` does not match this layout."""
-        other = FlatLayout.from_model(model, self.chunk_bytes)
+        other = FlatLayout.from_model(model, self.chunk_bytes, self.table_chunk_bytes)
         if other.slots == self.slots:
             return
         mine = [s.name for s in self.slots]

@@ -128,6 +128,8 @@ def _shard_chunks(cfg: Config) -> tuple[Chunk, ...]:
         model = models.build_model(m.name, relative_to=models.config_dir(cfg), **m.args)
     if cfg.placement.enabled:
         return layer_aligned_layout(model, cfg.ps.chunk_bytes).chunks
+    if not cfg.sweep.members:  # (a sweep has no row-sparse tables: refused at load)
+        return FlatLayout.from_model(model, cfg.ps.chunk_bytes, cfg.ps.table_chunk_bytes).chunks
     named = [(n, p) for n, p in model.named_parameters()]
     if cfg.sweep.members:
         members = len(cfg.sweep.members)
@@ -384,6 +386,6 @@ def sharded_model(cfg: Config, device: str | torch.device = "cpu") -> ShardedMod
         # Pipeline stages push their own layers' chunks: no chunk may straddle two layers.
         layout = layer_aligned_layout(model, cfg.ps.chunk_bytes)
     else:
-        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes)
+        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes, cfg.ps.table_chunk_bytes)
     model.to(device)
     return ShardedModel.of(model, layout, len(cfg.shards), array)

@@ -249,3 +249,21 @@ def test_real_model_placement_is_balanced() -> None:
     report = sharding_report(layout.chunks, assign_chunks(layout.chunks, 4))
     assert report.imbalance < 1.1
     assert sum(report.chunks_per_shard) == len(layout.chunks)
+
+
+def test_row_sparse_tables_are_cut_by_table_chunk_bytes_and_dense_parameters_by_chunk_bytes():
+    """A sparse=True embedding's rows go into chunks of ``table_chunk_bytes`` (0: ``chunk_bytes``), whole rows each;
+    the dense parameters around it keep ``chunk_bytes``; the layout records both and ``check`` accepts the model."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Embedding(1000, 8, sparse=True), nn.Linear(8, 300))  # table 32,000 B; linear 2,700 x 4 B
+    coarse = FlatLayout.from_model(model, chunk_bytes=1024, table_chunk_bytes=8000)
+    table = [c for c in coarse.chunks if c.table]
+    assert [c.numel for c in table] == [2000] * 4  # 8000 B = 250 rows of 8 float32
+    assert all(c.nbytes <= 1024 for c in coarse.chunks if not c.table)
+    assert coarse.table_chunk_bytes == 8000
+    coarse.check(model)
+    same = FlatLayout.from_model(model, chunk_bytes=1024, table_chunk_bytes=0)
+    assert [c.numel for c in same.chunks if c.table] == [256] * 31 + [64]  # 1024 B = 32 rows
+    with pytest.raises(ValueError, match="table_chunk_bytes must be an int >= 0"):
+        FlatLayout.from_model(model, chunk_bytes=1024, table_chunk_bytes=-1)

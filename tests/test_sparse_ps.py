@@ -75,6 +75,7 @@ report_interval_s = 0.3
 
 [ps]
 chunk_bytes = 1024
+table_chunk_bytes = 0  # the tables too: several chunks per table, on both shards
 checkpoint_dir = "{tmp / 'ckpt'}"
 {ps_extra}
 

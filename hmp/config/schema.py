@@ -150,6 +150,9 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class PSConfig:
     chunk_bytes: int = _field(1 << 20, "parameter chunk size (bytes); chunks are spread over the shards")
+    table_chunk_bytes: int = _field(8 << 20, "row-sparse tables' chunk size (bytes; 0: chunk_bytes): a sparse push "
+                                             "or pull costs a little per table chunk it touches, so tables are cut "
+                                             "coarser; keep a few chunks per shard for balance")
     checkpoint_every: int = _field(0, "checkpoint each shard every N updates (0: by time only, see "
                                       "checkpoint_every_s)")
     checkpoint_every_s: float = _field(30.0, "checkpoint each shard at least this often while it has new updates "
@@ -482,6 +485,8 @@ def validate(cfg: Config) -> None:
         _validate_allreduce(cfg)
     if cfg.ps.chunk_bytes < 64:
         raise ConfigError(p, "ps.chunk_bytes", "an integer >= 64")
+    if cfg.ps.table_chunk_bytes != 0 and cfg.ps.table_chunk_bytes < 64:
+        raise ConfigError(p, "ps.table_chunk_bytes", "0 (the same as ps.chunk_bytes) or an integer >= 64")
     if cfg.limits.frame_bytes < 64:
         raise ConfigError(p, "limits.frame_bytes", "an integer >= 64")
     if cfg.job.log_format not in ("auto", "console", "json"):

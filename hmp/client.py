@@ -87,6 +87,9 @@ class PSClient:
             self._table_chunks[c.table].append((c.row0, c.key))
         for chunks in self._table_chunks.values():
             chunks.sort()
+        #: each table's chunks' first rows, for the searchsorted of every push and pull (made once)
+        self._table_starts = {name: torch.tensor([r for r, _ in chunks], dtype=torch.int64)
+                              for name, chunks in self._table_chunks.items()}
         named = dict(sharded.model.named_parameters())
         self._table_params = {name: named[name] for name in self._table_chunks}
         self._wanted: dict[int, torch.Tensor] = {}  # chunk key -> the row ids last asked for (replies' rows)
@@ -171,8 +174,7 @@ class PSClient:
         """Sorted unique table row ids -> ``[(chunk key, chunk-relative ids, slice of ids)]`` for the chunks
         holding any (a searchsorted over the chunks' first rows: the ids are sorted)."""
         chunks = self._table_chunks[table]
-        starts = torch.tensor([r for r, _ in chunks], dtype=torch.int64)
-        cuts = torch.searchsorted(ids, starts).tolist() + [ids.numel()]
+        cuts = torch.searchsorted(ids, self._table_starts[table]).tolist() + [ids.numel()]
         out = []
         for i, (row0, key) in enumerate(chunks):
             lo, hi = cuts[i], cuts[i + 1]

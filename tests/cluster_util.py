@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
 
+#: the ports :func:`free_port` handed out in this process (never twice: two nodes of a config must differ)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where a bind to port 0 takes its port)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a config's ``bind``, from the 12,000 ports just below the kernel's
+    ephemeral range. Below it, because the port is bound later, by a daemon: a port from the ephemeral range
+    (a bind to port 0 here) could meanwhile be given to a worker that binds port 0, which then answers the
+    joins meant for the scheduler. Ray's default worker ports (10002-19999) lie below the range used."""
+    high = _ephemeral_low()
+    low = max(20000, high - 12000)
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in [{low}, {high})")
 
 
 SGD = 'name = "sgd"\nlr = 0.05\nmomentum = 0.9'

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import pytest
 
 from hmp.errors import ConfigError
 from hmp.transport.shm import cleanup_stale
-from tests.cluster_util import digits_job_text, write_config
+from tests.cluster_util import digits_job_text, free_port, write_config
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'hmp[ray]')")
 
@@ -33,14 +32,8 @@ RAY_BIN = str(Path(sys.executable).with_name("ray"))
 SUBNET = "10.231.13.0/24"  # the emulated-hosts tests' own range, apart from tests/test_emulate.py's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 #: Where the module's Ray instance exports its metrics (Ray's metrics agent: only with ray[default]).
-METRICS_EXPORT_PORT = _free_port()
+METRICS_EXPORT_PORT = free_port()
 #: Ray's metrics agent can run here: its modules need ray[default]'s packages (the minimal ray has none).
 RAY_AGENT = all(importlib.util.find_spec(m) for m in ("aiohttp", "grpc", "opentelemetry"))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -64,9 +63,10 @@ def write_sparse_svmlight(path: Path, n: int, n_features: int, per_row: int, see
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Imported here, not at the top: the daemons import this file by its path, outside the tests package.
+    from tests.cluster_util import free_port as pick
+
+    return pick()
 
 
 def job_text(tmp: Path, *, data: str, model: str | None = None, args: str = "{ num_features = 500 }",

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -88,9 +87,10 @@ def tuple_loader():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Imported here, not at the top: the daemons import this file by its path, outside the tests package.
+    from tests.cluster_util import free_port as pick
+
+    return pick()
 
 
 def write_data(tmp: Path) -> dict[str, Path]:

@@ -91,6 +91,10 @@ class Message:
     """Base of all messages. Equality compares kind and fields; tensors bitwise."""
 
     kind: ClassVar[Kind]
+    #: A one-way message (``rid`` 0) of this kind that the receiver refuses is answered with an
+    #: ``error`` of ``rid`` 0 (docs/protocol.md, "Error replies"); other one-way messages never are.
+    #: For senders that stream one-way messages and must hear at once that the stream is refused.
+    refusals_answered: ClassVar[bool] = False
     sender: str = ""
     rid: int = 0
     #: the job's identity (``[job] token``): a receiver with a token refuses messages without it
@@ -467,9 +471,13 @@ class Gradients(Message):
 @message(Kind.RING)
 class RingPiece(Message):
     """Ring member -> next member (docs/collective.md): part ``part`` of ring step ``step`` of
-    collective operation ``op`` in ring generation ``ring``. A request: the reply (:class:`Ack`)
-    says the receiver is done reading ``values`` (it may be a shared-memory view)."""
+    collective operation ``op`` in ring generation ``ring``. One-way, except the pieces of the
+    last step and of the small algorithm, which are requests: their reply (:class:`Ack`) says the
+    receiver is done reading ``values`` (it may be a shared-memory view), and, for a last-step
+    piece, every piece of the operation the receiver got from the sender. A refused one-way piece
+    is answered with an ``error`` of ``rid`` 0."""
 
+    refusals_answered: ClassVar[bool] = True
     ring: int
     op: int
     step: int

@@ -180,13 +180,15 @@ async def test_pieces_of_an_op_not_started_yet_wait_for_it():
         assert m.rings[2].stats["early_pieces"] > 0
 
 
-async def test_concurrent_ops_window_and_staging_give_identical_results():
-    """Six ops at once (ring and small, window of 2 pieces) started in order; a staged ring (the
-    CUDA path, run on CPU) copies piece by piece and gives the same bits as an unstaged one."""
+@pytest.mark.parametrize("window", [None, 2], ids=["one-way", "window-2"])
+async def test_concurrent_ops_window_and_staging_give_identical_results(window):
+    """Six ops at once (ring and small) started in order, with one-way pieces (the default) or
+    every piece a request (a window of 2 pieces); a staged ring (the CUDA path, run on CPU)
+    copies piece by piece and gives the same bits as an unstaged one."""
     sizes = [(1000, "float32"), (7, "int64"), (4097, "bfloat16"), (3, "float64"), (2000, "int16"), (64, "uint8")]
     results: dict[bool, list[list[torch.Tensor]]] = {}
     for stage in (False, True):
-        async with local(3, piece_bytes=128, small_bytes=300, window=2, timeout_s=5.0, stage=stage) as m:
+        async with local(3, piece_bytes=128, small_bytes=300, window=window, timeout_s=5.0, stage=stage) as m:
             ts = [[_inputs(d, n, r, op) for r in range(3)] for op, (n, d) in enumerate(sizes)]
             algos = [m.rings[0].algorithm(t[0]) for t in ts]
             assert "small" in algos and "ring" in algos
@@ -240,6 +242,22 @@ def socket_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield s.getsockname()[1]
+
+
+async def test_a_refused_one_way_piece_fails_its_sender_at_once():
+    """Member 1's tensor is one element longer: member 0 refuses the one-way step-0 piece member 1
+    sends it (bad_piece). The refusal comes back (an error of rid 0) and member 1's op fails at
+    once, naming member 0, rather than after the 30 s timeout."""
+    async with local(2, piece_bytes=1 << 20, small_bytes=0, timeout_s=30.0) as m:
+        t0 = time.monotonic()
+        outs = await asyncio.gather(*(m.rings[r].all_reduce(torch.ones(3000 + r), 0) for r in range(2)),
+                                    return_exceptions=True)
+        assert time.monotonic() - t0 < 5, outs
+        assert all(isinstance(e, RingBroken) for e in outs), outs
+        assert outs[0].code == "bad_piece" and outs[0].member == 1, outs[0]
+        assert outs[1].code == "bad_piece" and outs[1].member == 0, outs[1]
+        assert "refused a piece" in str(outs[1]), outs[1]
+        assert m.rings[0].stats["refused"] == 1
 
 
 async def test_a_member_that_never_joins_the_op_is_named_within_the_timeout():

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from hmp.errors import EndpointClosed, PeerLost, ProtocolError, RemoteError, RequestError, RequestTimeout
-from hmp.messages import Ack, Error, Heartbeat, Kind, Pull, Tensors
+from hmp.messages import Ack, Error, Heartbeat, Kind, Pull, RingPiece, Tensors
 from hmp.transport import eager as eager_start
 from hmp.transport.codec import DTYPES, Limits, decode, encode
 from hmp.transport.endpoint import Client, Reply, Server, hwm_for, wait_sent
@@ -411,6 +411,42 @@ async def test_one_way_messages_get_no_error_replies_either(tcp_address):
                 assert isinstance(reply, Error) and reply.rid == rid
         finally:
             raw.close()
+
+
+async def test_refused_one_way_messages_of_a_kind_that_asks_are_answered_with_rid_0(tcp_address):
+    """RingPiece.refusals_answered: a refused one-way ring piece (a handler's RequestError, or a
+    kind the server does not serve) comes back as an error of rid 0, which the client hands to
+    on_refused; a served one is not answered; a refused one-way heartbeat still gets nothing."""
+    refusals: list[RemoteError] = []
+    got = asyncio.Event()
+
+    async def ring(msg, peer):
+        if msg.op < 0:
+            raise RequestError("no such op", "bad_piece")
+        got.set()
+        return Ack()
+
+    def piece(op: int) -> RingPiece:
+        return RingPiece(ring=1, op=op, step=0, part=0, values=torch.ones(3))
+
+    async with Server(tcp_address, {Kind.RING: ring, Kind.HEARTBEAT: refuse}) as srv, \
+            Server("tcp://127.0.0.1:0", {Kind.HEARTBEAT: refuse}) as other:
+        async with Client(srv.address, timeout_s=5, on_refused=refusals.append) as c, \
+                Client(other.address, timeout_s=5, on_refused=refusals.append) as c2:
+            await c.send(piece(1))  # served: no answer
+            await asyncio.wait_for(got.wait(), 5)
+            await c.send(Heartbeat())  # refused, but heartbeats do not ask: no answer
+            await c.send(piece(-1))
+            await c2.send(piece(2))  # a kind the server does not serve
+            deadline = time.monotonic() + 5
+            while len(refusals) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # nothing else comes
+            assert sorted(e.code for e in refusals) == ["bad_piece", "unknown_op"], refusals
+            assert c.stats["one_way_refused"] == 1 and c2.stats["one_way_refused"] == 1
+            assert isinstance(await c.request(piece(3)), Ack)  # requests are answered as ever
+        assert srv.stats["answered_one_way_errors"] == 1 and srv.stats["unanswered_one_way_errors"] == 1
+        assert other.stats["answered_one_way_errors"] == 1
 
 
 async def test_a_closing_server_answers_requests_but_not_one_way_messages(tcp_address):

@@ -21,15 +21,21 @@ Both give bit-identical results on every member: in the ring each segment is sum
 in a fixed order and then only copied; in the small algorithm every member adds the same
 contributions in the same (rank) order.
 
-Zero-copy. A piece is a :class:`~hmp.messages.RingPiece` *request* whose ``values`` is a slice
-view of the tensor (no copy on the way out). On the way in, the codec decodes it as a view over
-the received frame and the handler reduces straight from it into the destination
-(``tensor[lo:hi].add_(piece)``, ``copy_`` in the all-gather): the member's own tensor is the
-preallocated receive buffer, and the only copy of the bytes is the transport's into its frame.
-The reply (:class:`~hmp.messages.Ack`) means "done reading": the sender does not write a region
-again until every request that carried it was answered (the shared-memory transport relies on
-this), and :meth:`Ring.all_reduce` returns only once every piece it sent was answered and every
-piece it expects was consumed.
+Zero-copy. A piece is a :class:`~hmp.messages.RingPiece` whose ``values`` is a slice view of the
+tensor (no copy on the way out). On the way in, the codec decodes it as a view over the received
+frame and the handler reduces straight from it into the destination (``tensor[lo:hi].add_(piece)``,
+``copy_`` in the all-gather): the member's own tensor is the preallocated receive buffer, and the
+only copy of the bytes is the transport's into its frame.
+
+One-way pieces. Pieces of the steps between the first and the last go one-way (no answer: half
+the transport's work per piece); the last step's pieces are requests whose answer
+(:class:`~hmp.messages.Ack`) means "the next member has read every piece of the operation from
+us", so :meth:`Ring.all_reduce` returns only once no member reads our tensor any more (the
+shared-memory transport relies on this: a sender's memory is the message). A region sent one-way
+is written again only after its piece came back around the ring, i.e. after the next member read
+it. Step 0's pieces are requests too (rings of 3 or more), so that a member that never starts or
+dies leaves answers missing that name it. ``window`` set: every piece is a request. A refused
+one-way piece is answered with an error of rid 0 (``RingPiece.refusals_answered``).
 
 Ordering. A member may receive pieces of an operation it has not started (its neighbour is
 ahead): their handlers wait (the request stays unanswered, its frame is the buffer) until
@@ -50,6 +56,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,9 +72,9 @@ from hmp.transport.codec import DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, DTYPES, Lim
 from hmp.transport.eager import start_eager
 from hmp.transport.endpoint import Client
 
-#: Pipelining granularity: one piece is one request and one frame (a view on both ends). 2 MiB, not
-#: the 1 MiB first planned: over TCP each piece costs ~150-200 us of CPU in the transport (request,
-#: reply, wake-ups) on top of its bytes, and on the 2-core machine the ring is CPU-bound; 1 MiB pieces
+#: Pipelining granularity: one piece is one message and one frame (a view on both ends). 2 MiB, not
+#: the 1 MiB first planned: over TCP each piece cost ~150-200 us of CPU in the transport (request,
+#: reply, wake-ups; measured before most pieces went one-way) on top of its bytes, and on the 2-core machine the ring is CPU-bound; 1 MiB pieces
 #: ran 2 processes x 16 MiB at 27 ms per all-reduce, 2 MiB at 20 ms, 4 MiB at 24 ms (pipelining
 #: suffers); see docs/collective.md.
 DEFAULT_PIECE_BYTES = 2 << 20
@@ -120,7 +127,7 @@ class _Op:
 
     __slots__ = ("op", "work", "small", "plan", "stage", "loop", "error", "done", "cond", "last_progress",
                  "seen", "expected", "received", "inflight", "queue", "sends", "pump_blocked", "contrib", "got",
-                 "consumed", "unanswered")
+                 "consumed", "unanswered", "early_left", "early_consumed")
 
     def __init__(self, op: int, work: torch.Tensor, small: bool, plan: Plan | None, stage: Staging | None,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -137,6 +144,10 @@ class _Op:
         self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
         self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
         self.pump_blocked: asyncio.Future | None = None
+        # pieces of steps before the last still to consume; woken at 0: a last-step piece is
+        # answered only then (one-way pieces have no answer of their own)
+        self.early_left = 0
+        self.early_consumed: asyncio.Future = loop.create_future()
         # small algorithm
         self.contrib: list[Any] | None = None
         self.got = 0
@@ -148,6 +159,7 @@ class _Op:
             self.error = exc
         _wake(self.done)
         _wake(self.consumed)
+        _wake(self.early_consumed)
         _wake(self.pump_blocked)
 
 
@@ -158,10 +170,11 @@ class Ring:
     member is lost); ``name`` is this member's sender id. ``piece_bytes`` is the pipelining
     granularity; ``small_bytes`` the threshold of the one-step algorithm (``nbytes * (N - 1) <=
     small_bytes``); ``timeout_s`` the longest wait without progress; ``window`` caps the pieces one
-    operation has in flight to the next member (None: as many as are ready); ``max_ops_ahead`` the
-    distinct operations not started here whose early pieces may wait (keep it above the number of
-    all-reduces a member runs without waiting for the others, e.g. one step's buckets). Every member must use the
-    same ``piece_bytes`` and ``small_bytes``. ``stage``: run the algorithm on a host copy of the
+    operation has in flight to the next member, every piece then a request (None: as many as are
+    ready, most of them one-way); ``max_ops_ahead`` the distinct operations not started here whose
+    early pieces may wait (keep it above the number of all-reduces a member runs without waiting
+    for the others, e.g. one step's buckets). Every member must use the same ``piece_bytes``,
+    ``small_bytes`` and ``window`` (None or not). ``stage``: run the algorithm on a host copy of the
     tensor (None: for tensors not on the CPU, i.e. CUDA; True also for CPU tensors, which tests use).
     ``job_token`` and ``security`` go to the clients to the other members (hmp.transport.endpoint.Client;
     None: the process's, which a daemon sets: docs/protocol.md, "Trust").
@@ -222,7 +235,8 @@ class Ring:
                 continue
             # The request timeout is a backstop: the progress watchdog (timeout_s) fires first.
             client = Client(address, name=f"{self.name}->{m}", limits=self.limits, frame_bytes=self.frame_bytes,
-                            timeout_s=2 * self.timeout_s, ctx=self.ctx, **self._client_trust)
+                            timeout_s=2 * self.timeout_s, ctx=self.ctx, on_refused=functools.partial(self._refused, m),
+                            **self._client_trust)
             await client.connect()
             self._clients[m] = client
 
@@ -369,10 +383,33 @@ class Ring:
         elif o.inflight > 0:
             member, what = self.next, f"answers to {o.inflight} pieces"
         else:
-            member, what = self.prev, f"{o.expected - o.received} pieces"
+            member, what = self._blocking(o), f"{o.expected - o.received} pieces"
         return RingBroken(f"{self.name}: op {o.op} made no progress for {self.timeout_s} s; waiting for member "
                           f"{member} ({self.addresses[member]}): {what}", member=member,
                           address=self.addresses[member], code="timeout")
+
+    def _blocking(self, o: _Op) -> int:
+        """The member a stalled ring operation waits for, when pieces are missing here.
+
+        One-way pieces have no answers that would show where they stopped; the steps received
+        do. If member ``m`` takes no part, member ``m + k`` gets steps ``0 .. k - 2`` of the
+        reduce-scatter (they come from the members between) and nothing of step ``k - 1``; so a
+        member that got nothing of its first incomplete step ``s < N - 1`` blames ``rank - s - 1``.
+        Otherwise (a step in part, or the all-gather) the previous member, which stopped sending.
+        (The member before a silent one is not asked: its step-0 pieces are unanswered.)"""
+        plan, size, seen = o.plan, self.size, o.seen
+        assert plan is not None
+        for step in range(size - 1):
+            seg = (self.rank - step - 1) % size
+            missing = sum((step, j) not in seen for j in range(plan.counts[seg]))
+            if missing:
+                return (self.rank - step - 1) % size if missing == plan.counts[seg] else self.prev
+        return self.prev
+
+    def _refused(self, member: int, exc: RemoteError) -> None:
+        """Member ``member`` refused one of our one-way pieces: the ring is broken (as for a refused request)."""
+        if self._error is None:
+            self._fail(self._broken_by(member, exc))
 
     def _broken_by(self, member: int, exc: BaseException) -> BaseException:
         if self._error is not None:
@@ -392,6 +429,20 @@ class Ring:
                           address=self.addresses[member], code=code)
 
     # ------------------------------------------------------------------ sending
+
+    async def _post(self, o: _Op, msg: RingPiece) -> None:
+        """One piece one-way to the next member; never raises (a failure fails the ring). Its
+        region is not written again before the next member consumed it: the ring's data flow
+        guarantees it (docs/collective.md, "One-way pieces")."""
+        try:
+            await self._clients[self.next].send(msg, lend=True)
+        except Exception as exc:  # noqa: BLE001 - the ring fails with a named error instead
+            if o.error is None:
+                self._fail(self._broken_by(self.next, exc))
+            return
+        stats = self.stats
+        stats["pieces_sent"] += 1
+        stats["bytes_sent"] += msg.values.numel() * msg.values.element_size()
 
     async def _send(self, o: _Op, member: int, msg: RingPiece) -> None:
         """One piece as a request; never raises (a failure fails the ring)."""
@@ -436,9 +487,20 @@ class Ring:
             q.popleft()
             lo, hi = plan.region(seg, j)
             msg = RingPiece(ring=self.generation, op=o.op, step=step, part=j, values=o.work[lo:hi], sender=self.name)
-            task = start_eager(self._send(o, self.next, msg), o.loop)
+            if window is None and not self._answered(step):
+                task = start_eager(self._post(o, msg), o.loop)
+            else:
+                task = start_eager(self._send(o, self.next, msg), o.loop)
             if task is not None:
                 o.sends[(seg, j)] = task
+
+    def _answered(self, step: int) -> bool:
+        """Whether a ring step's pieces go as requests when ``window`` is None (else one-way).
+
+        The last step's: their answers tell the sender that the next member consumed every piece
+        of the operation. Step 0's, in rings of 3 or more: a member that never starts an
+        operation, or dies in it, leaves them unanswered, which names it (:meth:`_stalled`)."""
+        return step == 2 * self.size - 3 or (step == 0 and self.size > 2)
 
     def _unblock(self, o: _Op) -> None:
         o.pump_blocked = None
@@ -450,6 +512,7 @@ class Ring:
         assert plan is not None
         steps = 2 * size - 2
         o.expected = sum(plan.counts[(rank - t - 1) % size] for t in range(steps))
+        o.early_left = o.expected - plan.counts[(rank - steps) % size]
         if o.stage is not None:
             # In the order the ring needs them: what we send at step 0, then what we receive, by step.
             order = [(rank - t) % size for t in range(size)]
@@ -600,7 +663,17 @@ class Ring:
         if step + 1 < 2 * size - 2:  # forward it (pipelining: this piece only, now)
             o.queue.append((step + 1, j))
             self._pump(o)
+            o.early_left -= 1
+            if o.early_left == 0:
+                _wake(o.early_consumed)
         self._check(o)
+        if self.window is None and step == 2 * size - 3 and o.early_left:
+            # The answer to a last-step piece also says that every one-way piece of the operation
+            # from the sender was consumed: only then may the sender's all_reduce return and its
+            # caller write the tensor (a one-way piece may be a view of it, in shared memory).
+            await asyncio.wait({o.early_consumed})
+            if o.error is not None:
+                raise self._aborted(o.error)
         return _ACK
 
     async def _take_small(self, o: _Op, msg: RingPiece) -> Message:

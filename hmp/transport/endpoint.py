@@ -8,7 +8,9 @@
   sequence that does not decode, a kind with no handler, or a handler raising
   :class:`RequestError` gets an :class:`Error` reply; the server keeps serving everyone else.
 * One-way rule: a message with ``rid`` 0 is never answered, not even with an error (a decode
-  error whose ``rid`` cannot be read counts as ``rid`` 0 too), and not at shut-down.
+  error whose ``rid`` cannot be read counts as ``rid`` 0 too), and not at shut-down; except that
+  a read message of a kind with ``refusals_answered`` (``ring`` pieces) that is refused gets its
+  ``Error`` with ``rid`` 0, which the client passes to its ``on_refused`` callback.
 * Backpressure: a server runs at most ``limits.max_inflight_requests`` requests at once (handlers
   that suspended, replies waiting for room); at the cap it stops reading its socket, so requests
   queue in libzmq and then in the peers (their sends wait) until a request finishes. Receive
@@ -603,8 +605,8 @@ class Server:
         self._inflight: set[asyncio.Task] = set()
         self._closing = False
         self.stats = {"requests": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0, "replies": 0,
-                      "unanswered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0, "unauthorized": 0,
-                      "memory_releases": 0}
+                      "unanswered_one_way_errors": 0, "answered_one_way_errors": 0, "paused": 0, "shm_bytes_out": 0,
+                      "unauthorized": 0, "memory_releases": 0}
         self._release_pending = False  # a release_memory call is scheduled
         self._released_at = -_RELEASE_EVERY_S  # loop time of the last one
         self.log = log.bind(node=name)
@@ -715,7 +717,7 @@ class Server:
             stats["unauthorized"] += 1
             self.warnings.warning("unauthorized", "unauthorized", peer=peer.hex(), sender=msg.sender,
                                   kind=msg.kind.value, error=why)
-            self._answer_error(peer, msg.rid, "unauthorized", why)
+            self._answer_error(peer, msg.rid, "unauthorized", why, msg.refusals_answered)
             return
         stats["requests"] += 1
         metrics = self._metrics
@@ -725,7 +727,7 @@ class Server:
         if handler is None:
             stats["errors"] += 1
             self._answer_error(peer, msg.rid, "unknown_op", f"{self.name} does not serve {msg.kind.value!r}; "
-                               f"serves {sorted(k.value for k in self.handlers)}")
+                               f"serves {sorted(k.value for k in self.handlers)}", msg.refusals_answered)
             return
         chan = self._chan
         assert chan is not None
@@ -799,14 +801,18 @@ class Server:
         if chan is not None and chan.paused and len(self._inflight) < self.max_inflight:
             chan.resume()
 
-    def _answer_error(self, peer: bytes, rid: int, code: str, text: str) -> None:
+    def _answer_error(self, peer: bytes, rid: int, code: str, text: str, answer_one_way: bool = False) -> None:
         """Answer ``rid`` with an error, from the reader callback (which cannot await): at once
-        when there is room (the usual case), else from a task like any other reply."""
+        when there is room (the usual case), else from a task like any other reply.
+        ``answer_one_way``: the message was read and is of a kind whose one-way refusals are
+        answered (``Message.refusals_answered``); a ``rid`` of 0 is then answered too."""
         if self._metrics is not None:
             self._metrics.server_error(code)
-        if rid == 0:  # one-way (or unreadable rid): never answered (module docstring)
-            self.stats["unanswered_one_way_errors"] += 1
-            return
+        if rid == 0:  # one-way (or unreadable rid): not answered, but where its kind asks (module docstring)
+            if not answer_one_way:
+                self.stats["unanswered_one_way_errors"] += 1
+                return
+            self.stats["answered_one_way_errors"] += 1
         chan = self._chan
         assert chan is not None
         if not chan._waiting:
@@ -835,7 +841,8 @@ class Server:
                 # close() cancels handlers still running after its grace period: tell the sender
                 # now instead of leaving it to wait out its request timeout.
                 self._answer_error(peer, msg.rid, "shutting_down",
-                                   f"{self.name} shut down before answering {msg.kind.value!r}")
+                                   f"{self.name} shut down before answering {msg.kind.value!r}",
+                                   msg.refusals_answered)
             raise
         except Exception as exc:  # a handler bug must not kill the server; the sender hears of it
             self.stats["errors"] += 1
@@ -847,6 +854,10 @@ class Server:
             return
         if msg.rid == 0:  # one-way: nobody waits for a reply
             if isinstance(reply, Error):
+                if msg.refusals_answered:  # its sender must hear at once (Message.refusals_answered)
+                    self.stats["answered_one_way_errors"] += 1
+                    await self._reply(peer, 0, reply)
+                    return
                 self.stats["unanswered_one_way_errors"] += 1
             if isinstance(reply, Reply):
                 _notify(reply, True)
@@ -1031,8 +1042,12 @@ class Client:
                  frame_bytes: int = DEFAULT_FRAME_BYTES, timeout_s: float = 30.0,
                  ctx: zmq.Context | None = None, hwm: int | None = None,
                  shm: Arena | bool | None = None, job_token: str | None = None,
-                 security: Curve | bool | None = None) -> None:
+                 security: Curve | bool | None = None,
+                 on_refused: Callable[[RemoteError], None] | None = None) -> None:
         self.address = address
+        #: called (from the loop) with each refusal of a one-way message (an ``Error`` of ``rid`` 0,
+        #: see ``Message.refusals_answered``); None: logged (rate-limited)
+        self.on_refused = on_refused
         #: CURVE (hmp.transport.security): a Curve, False (plain), None (the process's, plain by default)
         self.curve = sec.resolve(security)
         self._watch: sec.HandshakeWatch | None = None
@@ -1049,7 +1064,7 @@ class Client:
         self._chan: _Channel | None = None
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._rids = itertools.count(1)
-        self.stats = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "shm_bytes_out": 0}
+        self.stats = {"requests": 0, "bytes_in": 0, "bytes_out": 0, "shm_bytes_out": 0, "one_way_refused": 0}
         self.log = log.bind(node=name, peer=address)
         #: shared memory: an Arena (shake hands before the first request), True (the same with the
         #: process arena), False (never), or None (the process arena, shaking hands before the first
@@ -1138,6 +1153,9 @@ class Client:
             return
         if not self.peer_id:
             self.peer_id = msg.sender
+        if msg.rid == 0 and isinstance(msg, Error):  # a one-way message of ours was refused
+            self._refused(RemoteError(msg.code, msg.message, msg.sender))
+            return
         fut = self._pending.pop(msg.rid, None)
         if fut is None or fut.done():
             self.log.debug("unmatched_reply", kind=msg.kind.value, rid=msg.rid)
@@ -1147,9 +1165,43 @@ class Client:
         else:
             fut.set_result(msg)
 
-    async def send(self, msg: Message, track: bool = False) -> zmq.MessageTracker | None:
-        """Send one message as is (``rid`` 0 for one-way); zero-copy, see the module docstring."""
-        return await self._send(msg, track)
+    def _refused(self, exc: RemoteError) -> None:
+        self.stats["one_way_refused"] += 1
+        if self.on_refused is None:
+            self.warnings.warning("one_way_refused", exc.code, error=str(exc))
+            return
+        try:
+            self.on_refused(exc)
+        except Exception:  # the callback's bug must not stop the reader
+            self.log.exception("on_refused_failed")
+
+    async def send(self, msg: Message, track: bool = False, *, lend: bool = False) -> zmq.MessageTracker | None:
+        """Send one message as is (``rid`` 0 for one-way); zero-copy, see the module docstring.
+
+        ``lend``: tensors in this client's shared-memory arena go by reference when the server
+        maps it (an earlier request shook hands; no handshake is started here). No reply says
+        when the server is done reading them: the caller knows it from its own protocol (the
+        ring: docs/collective.md), and must not write them before."""
+        locate = None
+        if lend:
+            link = self._link
+            if link is not None and link.send:
+                locate = self._lender(link, None)
+        return await self._send(msg, track, locate=locate)
+
+    def _lender(self, link: _ShmLink, used: list[int] | None) -> Any:
+        """``locate`` for encode: the reference of a tensor in ``link``'s arena (None: inline)."""
+        arena, stats = link.arena, self.stats
+
+        def locate(t: Any) -> Any:
+            ref = arena.request_ref(t)
+            if ref is not None:
+                n = t.numel() * t.element_size()
+                if used is not None:
+                    used.append(n)
+                stats["shm_bytes_out"] += n
+            return ref
+        return locate
 
     async def _send(self, msg: Message, track: bool, rid: int | None = None,
                     sender: str | None = None, locate: Any = None) -> zmq.MessageTracker | None:
@@ -1175,17 +1227,9 @@ class Client:
         link = self._link
         if link is None or not link.send:
             return await self._request(msg, timeout, None)
-        arena, used, stats = link.arena, [], self.stats
-
-        def locate(t: Any) -> Any:
-            ref = arena.request_ref(t)
-            if ref is not None:
-                n = t.numel() * t.element_size()
-                used.append(n)
-                stats["shm_bytes_out"] += n
-            return ref
+        used: list[int] = []
         try:
-            return await self._request(msg, timeout, locate)
+            return await self._request(msg, timeout, self._lender(link, used))
         except RemoteError as exc:
             if exc.code != "bad_shm" or not used:
                 raise

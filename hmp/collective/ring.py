@@ -72,12 +72,13 @@ from hmp.transport.codec import DEFAULT_FRAME_BYTES, DEFAULT_LIMITS, DTYPES, Lim
 from hmp.transport.eager import start_eager
 from hmp.transport.endpoint import Client
 
-#: Pipelining granularity: one piece is one message and one frame (a view on both ends). 2 MiB, not
-#: the 1 MiB first planned: over TCP each piece cost ~150-200 us of CPU in the transport (request,
-#: reply, wake-ups; measured before most pieces went one-way) on top of its bytes, and on the 2-core machine the ring is CPU-bound; 1 MiB pieces
-#: ran 2 processes x 16 MiB at 27 ms per all-reduce, 2 MiB at 20 ms, 4 MiB at 24 ms (pipelining
-#: suffers); see docs/collective.md.
-DEFAULT_PIECE_BYTES = 2 << 20
+#: Pipelining granularity: one piece is one message and one frame (a view on both ends). Each
+#: message costs CPU in the transport on top of its bytes (encode, send, libzmq's wake-ups, decode,
+#: pyzmq's zero-copy release), and on a small machine the ring is CPU-bound: with most pieces
+#: one-way, 8 MiB pieces ran 4 processes x 128 MiB at 0.93-0.95x gloo where 2 MiB ran 0.70, and
+#: 2 x 128 MiB at 1.14-1.15x (2 MiB: 0.88); a segment smaller than a piece is one piece anyway.
+#: Before the pieces went one-way, 2 MiB was best (4 MiB lost pipelining). docs/collective.md.
+DEFAULT_PIECE_BYTES = 8 << 20
 #: At or below this many bytes sent per member (``nbytes * (N - 1)``), the one-step algorithm.
 DEFAULT_SMALL_BYTES = 256 << 10
 #: ``RingPiece.step`` of the small algorithm (``part`` is then the sender's rank).

@@ -6,9 +6,9 @@ over pipes (house style: bench/_stats.py):
   * ``ring_tcp``: :class:`hmp.collective.Ring` over hmp's TCP transport, each process a
     ``Server`` routing ``Kind.RING`` to a ``RingHost`` (as a daemon would), ``tune_malloc()``
     first (as daemons do);
-  * ``ring_shm``: the hook for the ring over shared memory: the peer table names how its tensor is
-    allocated (an arena) and its ring options; it is skipped, with its reason in the output, until
-    the shared-memory transport fills in :func:`_alloc_shm` and :func:`_shm_missing`.
+  * ``ring_shm``: the same ring with each process's tensor in its shared-memory arena
+    (docs/shm.md): pieces to members on this host travel as references to the sender's memory;
+    skipped, with the reason in the output, where /dev/shm is not writable.
 
 Method. For each process count (2 and 4) and size (16 and 128 MiB of float32; ``--quick``: 2
 processes, 16 MiB), ``--cycles`` cycles of one block per peer, the peers' order reversed every
@@ -101,7 +101,7 @@ def peer_specs(piece_bytes: int, window: int | None) -> list[PeerSpec]:
     return [
         PeerSpec("gloo", "gloo"),
         PeerSpec("ring_tcp", "ring", "plain", ring, "ratio_vs_gloo"),
-        # The shared-memory work: set alloc's arena and whatever ring option selects the transport.
+        # The tensor in the process's arena: pieces travel as shared-memory references.
         PeerSpec("ring_shm", "ring", "shm", ring, "ratio_shm_vs_gloo", _shm_missing),
     ]
 

@@ -395,6 +395,44 @@ async def test_the_process_arena_is_used_once_a_request_carries_its_memory(job):
             assert client.shm_active and client.stats["shm_bytes_out"] == 1 << 18
 
 
+async def test_a_rings_one_way_pieces_travel_by_reference(job):
+    """Three ring members whose tensors lie in the process arena: after the first requests shook
+    hands, every piece, one-way ones included (Client.send(lend=True)), goes as a reference, and
+    the sums are right op after op (the sender's memory is read only before it is written again)."""
+    from hmp.collective import Ring, RingHost
+
+    arena = shm.open_process_arena(job, "ring")
+    n, size = 3 * (1 << 16) + 5, 3
+    hosts = [RingHost(timeout_s=10) for _ in range(size)]
+    servers = [Server("tcp://127.0.0.1:0", {Kind.RING: h.on_piece}, name=f"m{r}") for r, h in enumerate(hosts)]
+    rings: list[Ring] = []
+    ts: list[torch.Tensor] = []
+    try:
+        addresses = [await srv.start() for srv in servers]
+        for r in range(size):
+            ring = Ring(rank=r, addresses=addresses, generation=1, name=f"m{r}", piece_bytes=1 << 16, small_bytes=0,
+                        timeout_s=10)
+            await ring.connect()
+            hosts[r].install(ring)
+            rings.append(ring)
+        ts += [arena.alloc(n, torch.float32) for _ in range(size)]
+        for op in range(3):
+            for r, t in enumerate(ts):
+                t.copy_(torch.arange(n, dtype=torch.float32) * (r + 1) + op)
+            inline = sum(srv.stats["bytes_in"] for srv in servers)
+            await asyncio.wait_for(asyncio.gather(*(rings[r].all_reduce(ts[r], op) for r in range(size))), 30)
+            want = torch.arange(n, dtype=torch.float32) * 6 + 3 * op
+            for r, t in enumerate(ts):
+                assert torch.equal(t, want), f"op {op} member {r}"
+            if op > 0:  # handshakes done: no piece's bytes travel inline
+                assert sum(srv.stats["bytes_in"] for srv in servers) - inline < n, op
+    finally:
+        for ring in rings:
+            await ring.close()
+        for srv in servers:
+            await srv.close()
+
+
 # ----------------------------------------------------------------------------- the PS data path, real daemons
 
 def _ps_config(tmp: Path, job: str, shm_enabled: bool) -> Path:

@@ -471,11 +471,11 @@ class Gradients(Message):
 @message(Kind.RING)
 class RingPiece(Message):
     """Ring member -> next member (docs/collective.md): part ``part`` of ring step ``step`` of
-    collective operation ``op`` in ring generation ``ring``. One-way, except the pieces of the
-    last step and of the small algorithm, which are requests: their reply (:class:`Ack`) says the
-    receiver is done reading ``values`` (it may be a shared-memory view), and, for a last-step
-    piece, every piece of the operation the receiver got from the sender. A refused one-way piece
-    is answered with an ``error`` of ``rid`` 0."""
+    collective operation ``op`` in ring generation ``ring``. One-way or a request
+    (docs/collective.md, "One-way pieces"): the reply (:class:`Ack`) says the receiver is done
+    reading ``values`` (it may be a shared-memory view) and, for a last-step piece, every piece of
+    the operation it got from the sender. A refused one-way piece is answered with an ``error``
+    of ``rid`` 0."""
 
     refusals_answered: ClassVar[bool] = True
     ring: int

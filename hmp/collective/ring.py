@@ -128,7 +128,7 @@ class _Op:
 
     __slots__ = ("op", "work", "small", "plan", "stage", "loop", "error", "done", "cond", "last_progress",
                  "seen", "expected", "received", "inflight", "queue", "sends", "pump_blocked", "contrib", "got",
-                 "consumed", "unanswered", "early_left", "early_consumed")
+                 "consumed", "unanswered", "prior_left", "prior_consumed")
 
     def __init__(self, op: int, work: torch.Tensor, small: bool, plan: Plan | None, stage: Staging | None,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -145,10 +145,10 @@ class _Op:
         self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
         self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
         self.pump_blocked: asyncio.Future | None = None
-        # pieces of steps before the last still to consume; woken at 0: a last-step piece is
-        # answered only then (one-way pieces have no answer of their own)
-        self.early_left = 0
-        self.early_consumed: asyncio.Future = loop.create_future()
+        # pieces of the steps before the last still to consume ("prior" pieces); prior_consumed is
+        # woken at 0: a last-step piece is answered only then (one-way pieces have no answer of their own)
+        self.prior_left = 0
+        self.prior_consumed: asyncio.Future = loop.create_future()
         # small algorithm
         self.contrib: list[Any] | None = None
         self.got = 0
@@ -160,7 +160,7 @@ class _Op:
             self.error = exc
         _wake(self.done)
         _wake(self.consumed)
-        _wake(self.early_consumed)
+        _wake(self.prior_consumed)
         _wake(self.pump_blocked)
 
 
@@ -397,7 +397,7 @@ class Ring:
         reduce-scatter (they come from the members between) and nothing of step ``k - 1``; so a
         member that got nothing of its first incomplete step ``s < N - 1`` blames ``rank - s - 1``.
         Otherwise (a step in part, or the all-gather) the previous member, which stopped sending.
-        (The member before a silent one is not asked: its step-0 pieces are unanswered.)"""
+        (The member just before a silent one names it by its unanswered step-0 pieces instead.)"""
         plan, size, seen = o.plan, self.size, o.seen
         assert plan is not None
         for step in range(size - 1):
@@ -513,7 +513,7 @@ class Ring:
         assert plan is not None
         steps = 2 * size - 2
         o.expected = sum(plan.counts[(rank - t - 1) % size] for t in range(steps))
-        o.early_left = o.expected - plan.counts[(rank - steps) % size]
+        o.prior_left = o.expected - plan.counts[(rank - steps) % size]
         if o.stage is not None:
             # In the order the ring needs them: what we send at step 0, then what we receive, by step.
             order = [(rank - t) % size for t in range(size)]
@@ -664,15 +664,15 @@ class Ring:
         if step + 1 < 2 * size - 2:  # forward it (pipelining: this piece only, now)
             o.queue.append((step + 1, j))
             self._pump(o)
-            o.early_left -= 1
-            if o.early_left == 0:
-                _wake(o.early_consumed)
+            o.prior_left -= 1
+            if o.prior_left == 0:
+                _wake(o.prior_consumed)
         self._check(o)
-        if self.window is None and step == 2 * size - 3 and o.early_left:
+        if self.window is None and step == 2 * size - 3 and o.prior_left:
             # The answer to a last-step piece also says that every one-way piece of the operation
             # from the sender was consumed: only then may the sender's all_reduce return and its
             # caller write the tensor (a one-way piece may be a view of it, in shared memory).
-            await asyncio.wait({o.early_consumed})
+            await asyncio.wait({o.prior_consumed})
             if o.error is not None:
                 raise self._aborted(o.error)
         return _ACK

@@ -27,8 +27,8 @@ frame and the handler reduces straight from it into the destination (``tensor[lo
 ``copy_`` in the all-gather): the member's own tensor is the preallocated receive buffer, and the
 only copy of the bytes is the transport's into its frame.
 
-One-way pieces. Pieces of the steps between the first and the last go one-way (no answer: half
-the transport's work per piece); the last step's pieces are requests whose answer
+One-way pieces. Pieces of the steps between the first and the last go one-way (no answer to
+encode, send, receive and match); the last step's pieces are requests whose answer
 (:class:`~hmp.messages.Ack`) means "the next member has read every piece of the operation from
 us", so :meth:`Ring.all_reduce` returns only once no member reads our tensor any more (the
 shared-memory transport relies on this: a sender's memory is the message). A region sent one-way

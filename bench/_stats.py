@@ -12,10 +12,18 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
+
+
+def free_port() -> int:
+    """A free loopback port for a daemon's config (the benches' one helper for it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def quantile(xs: Sequence[float], q: float) -> float:

@@ -32,7 +32,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hmp.collective.ring import DEFAULT_PIECE_BYTES  # noqa: E402
 
-from _stats import (CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, guard, is_quiet, load_average,  # noqa: E402
+from _stats import (free_port, CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, guard, is_quiet, load_average,  # noqa: E402
                     quantile, ratios, spread, summary)
 from _emulated import report_lines as emulated_lines, run_emulated  # noqa: E402 - part (b): emulated hosts
 
@@ -105,11 +104,6 @@ def peer_specs(piece_bytes: int, window: int | None) -> list[PeerSpec]:
         PeerSpec("ring_shm", "ring", "shm", ring, "ratio_shm_vs_gloo", _shm_missing),
     ]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pids: list[int]) -> float | None:

@@ -62,7 +62,6 @@ import contextlib
 import datetime as dt
 import json
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -71,6 +70,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _stats import free_port  # noqa: E402  (bench/_stats.py)
 
 HEARTBEAT_S = 0.3
 BATCH = 32
@@ -98,11 +100,6 @@ FAULTS = {
 KEEP: str | None = None
 LOST_EVENTS = {"worker_lost", "node_lost", "node_left", "node_failed"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_text(tmp: Path, mode: str, epochs: int, job_extra: str, ps_extra: str) -> str:

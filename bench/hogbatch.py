@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _stats import free_port  # noqa: E402  (bench/_stats.py)
 
 from hmp.config import BatchPolicyKind as Policy, Consistency  # noqa: E402  (after the path set-up)
 
@@ -106,11 +108,6 @@ def write_sparse_svmlight(folder: Path, n: int = 20000, n_features: int = 2000, 
         dump_svmlight_file(sparse.csr_matrix(x.numpy()), np.where(y.numpy() > 0, 1, -1), str(path), zero_based=False)
     return paths
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_config(folder: Path, w: Workload, policy: str) -> Path:

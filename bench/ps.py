@@ -45,7 +45,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import (guard, CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
+from _stats import (free_port, guard, CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
                     ratios, spread, summary)
 
 MiB = 1 << 20
@@ -72,11 +71,6 @@ PUSH_DATA = 'kind = "synthetic"\nargs = { n = 256, n_features = 4095, num_classe
 WORKERS = ("w0", "w1")
 REPLY_TIMEOUT_S = 180.0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(folder: Path, *, consistency: str, model: str, model_args: dict[str, Any], chunk_bytes: int,
@@ -361,7 +355,7 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
 
 # ----------------------------------------------------------------------------- (b) end-to-end training
 #
-# In bench/train.py (it uses Peer and free_port from here): imported in main(), since it imports this module.
+# In bench/train.py (it uses Peer from here): imported in main(), since it imports this module.
 
 
 # ----------------------------------------------------------------------------- main

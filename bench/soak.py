@@ -44,6 +44,9 @@ import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _stats import free_port  # noqa: E402  (bench/_stats.py)
 
 from hmp.cluster import LocalCluster  # noqa: E402
 from hmp.errors import HmpError, ProtocolError  # noqa: E402
@@ -62,17 +65,11 @@ RARE = 500
 PROBE_EVERY_S = 0.02
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def write_config(folder: Path) -> tuple[Path, dict[str, str]]:
     """conf/local.toml with its own ports and report folder, and stop rules out of reach (the soak ends it)."""
     text = (ROOT / "conf" / "local.toml").read_text()
-    ports = {n: _free_port() for n in ("scheduler", "ps0", "ps1")}
+    ports = {n: free_port() for n in ("scheduler", "ps0", "ps1")}
     text = text.replace('report_dir = "runs/{name}"', f'report_dir = "{folder / "run"}"')
     text = text.replace("tcp://127.0.0.1:47100", f"tcp://127.0.0.1:{ports['scheduler']}")
     for ps in ("ps0", "ps1"):

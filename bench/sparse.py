@@ -50,6 +50,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _stats import free_port  # noqa: E402  (bench/_stats.py)
 
 
 def generate(path: Path, rows: int, features: int, fields: int, seed: int = 0) -> float:
@@ -115,7 +118,7 @@ request_timeout_s = 120
 [[nodes]]
 id = "scheduler"
 role = "scheduler"
-bind = "tcp://127.0.0.1:{_free_port()}"
+bind = "tcp://127.0.0.1:{free_port()}"
 
 [[nodes]]
 id = "ps0"
@@ -134,13 +137,6 @@ id = "cpu1"
 role = "cpu_worker"
 """
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hwm_mib(pid: int) -> float | None:

@@ -74,8 +74,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import CpuMeter, cpu_line, fmt_spread, guard, is_quiet, load_average, quantile, spread  # noqa: E402
-from ps import REPLY_TIMEOUT_S, Peer, free_port  # noqa: E402
+from _stats import CpuMeter, cpu_line, fmt_spread, free_port, guard, is_quiet, load_average, quantile, spread  # noqa: E402
+from ps import REPLY_TIMEOUT_S, Peer  # noqa: E402
 
 # hmp modes: [train] consistency and how many PS shards the job has. A mode whose consistency the
 # config does not accept yet fails at once, with the config's error, before anything starts.

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hmp.collective import (GradientBuckets, Plan, Ring, RingBroken, RingError, RingHost, plan_buckets)
+from hmp.collective.ring import HalvingPlan
 from hmp.errors import RemoteError
 from hmp.flat import FlatLayout
 from hmp.messages import Kind, RingPiece
@@ -82,6 +83,33 @@ def test_plan_cuts_segments_and_pieces():
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
 
 
+@pytest.mark.parametrize("members", [4, 8, 16])
+def test_halving_plan_pairs_members_and_covers_the_tensor(members):
+    """Partners pair up (each sends what the other receives), the reduce-scatter leaves member r
+    with segment r, the all-gather brings back every other element exactly once, and every
+    member sends 2 (N - 1) / N of the tensor, as in the ring."""
+    for numel, per in [(10007, 64), (3, 1), (members, 2), (1 << 12, 1 << 20)]:
+        plans = [HalvingPlan.of(r, members, numel, per) for r in range(members)]
+        for r, hp in enumerate(plans):
+            assert hp.steps == 2 * hp.levels and 1 << hp.levels == members
+            for t in range(hp.steps):
+                q = plans[hp.partners[t]]
+                assert q.partners[t] == r and q.recvs[t] == hp.sends[t], (r, t)
+            assert hp.recvs[hp.levels - 1] == (hp.starts[r], hp.starts[r + 1])  # own segment, summed
+            gathered = sorted([hp.recvs[hp.levels - 1], *hp.recvs[hp.levels:]])
+            assert gathered[0][0] == 0 and gathered[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(gathered, gathered[1:]))
+            sent = sum(hi - lo for lo, hi in hp.sends)
+            assert abs(sent - 2 * (members - 1) * numel / members) <= 2 * hp.levels
+            for t in range(hp.steps):  # pieces cover each range exactly
+                rng = hp.sends[t]
+                regions = [hp.region(rng, j) for j in range(hp.count(rng))]
+                assert sum(hi - lo for lo, hi in regions) == rng[1] - rng[0]
+                assert list(hp.overlapping(rng, *rng)) == list(range(hp.count(rng)))
+    with pytest.raises(ValueError, match="power of two"):
+        HalvingPlan.of(0, 6, 100, 10)
+
+
 async def test_arguments_are_checked():
     """Bad tensors, decreasing ops and a missing connect() are refused before anything is sent."""
     with pytest.raises(ValueError):
@@ -104,6 +132,10 @@ async def test_arguments_are_checked():
         await solo.all_reduce(t, 3)
     assert ring.algorithm(torch.zeros(10)) == "small" and ring.algorithm(torch.zeros(1 << 20)) == "ring"
     assert ring.algorithm(torch.zeros(0)) == "none"
+    four = [f"tcp://127.0.0.1:{i}" for i in range(1, 5)]
+    assert Ring(rank=0, addresses=four, generation=1).algorithm(torch.zeros(1 << 20)) == "halving"
+    assert Ring(rank=0, addresses=four, generation=1, halving_doubling=False).algorithm(torch.zeros(1 << 20)) == "ring"
+    assert Ring(rank=0, addresses=four[:3], generation=1).algorithm(torch.zeros(1 << 20)) == "ring"
     await ring.close()
     await solo.close()
 
@@ -181,26 +213,27 @@ async def test_pieces_of_an_op_not_started_yet_wait_for_it():
 
 
 @pytest.mark.parametrize("window", [None, 2], ids=["one-way", "window-2"])
-async def test_concurrent_ops_window_and_staging_give_identical_results(window):
-    """Six ops at once (ring and small) started in order, with one-way pieces (the default) or
-    every piece a request (a window of 2 pieces); a staged ring (the CUDA path, run on CPU)
-    copies piece by piece and gives the same bits as an unstaged one."""
+@pytest.mark.parametrize("n", [3, 4], ids=["ring", "halving"])
+async def test_concurrent_ops_window_and_staging_give_identical_results(window, n):
+    """Six ops at once (ring or halving-doubling, and small) started in order, with one-way
+    pieces (the default) or every piece a request (a window of 2 pieces); a staged ring (the CUDA
+    path, run on CPU) copies piece by piece and gives the same bits as an unstaged one."""
     sizes = [(1000, "float32"), (7, "int64"), (4097, "bfloat16"), (3, "float64"), (2000, "int16"), (64, "uint8")]
     results: dict[bool, list[list[torch.Tensor]]] = {}
     for stage in (False, True):
-        async with local(3, piece_bytes=128, small_bytes=300, window=window, timeout_s=5.0, stage=stage) as m:
-            ts = [[_inputs(d, n, r, op) for r in range(3)] for op, (n, d) in enumerate(sizes)]
+        async with local(n, piece_bytes=128, small_bytes=300, window=window, timeout_s=5.0, stage=stage) as m:
+            ts = [[_inputs(d, k, r, op) for r in range(n)] for op, (k, d) in enumerate(sizes)]
             algos = [m.rings[0].algorithm(t[0]) for t in ts]
-            assert "small" in algos and "ring" in algos
+            assert "small" in algos and ("ring" if n == 3 else "halving") in algos
 
             async def member(r: int) -> None:
                 if r == 1:
                     await asyncio.sleep(0.05)
                 await asyncio.gather(*(m.rings[r].all_reduce(ts[op][r], op) for op in range(len(sizes))))
 
-            await asyncio.gather(*(member(r) for r in range(3)))
-            for op, (n, d) in enumerate(sizes):
-                _check_sum(ts[op], d, n, op, f"op {op} stage={stage}")
+            await asyncio.gather(*(member(r) for r in range(n)))
+            for op, (k, d) in enumerate(sizes):
+                _check_sum(ts[op], d, k, op, f"op {op} stage={stage}")
             results[stage] = ts
             if stage:
                 st = m.rings[0].stats
@@ -273,6 +306,22 @@ async def test_a_member_that_never_joins_the_op_is_named_within_the_timeout():
         assert took < 0.5 * 2 + 1.0, took
         with pytest.raises(RingBroken):
             await m.rings[0].all_reduce(torch.ones(3), 1)
+
+
+async def test_halving_doubling_names_a_member_that_never_joins():
+    """Four members, halving-doubling: member 3 never calls all_reduce. Member 1 (its partner at
+    step 0) and member 2 (at step 1) name it within about timeout_s; member 0, whose partners
+    are 2 and 1, fails too (it names one of them or, from their refusals, member 3)."""
+    async with local(4, piece_bytes=256, small_bytes=0, timeout_s=0.5) as m:
+        assert m.rings[0].algorithm(torch.ones(3000)) == "halving"
+        t0 = time.monotonic()
+        outs = await asyncio.gather(*(m.rings[r].all_reduce(torch.ones(3000), 0) for r in range(3)),
+                                    return_exceptions=True)
+        took = time.monotonic() - t0
+        assert all(isinstance(e, RingBroken) for e in outs), outs
+        assert outs[1].member == 3 and outs[2].member == 3, outs
+        assert outs[0].member in (1, 2, 3), outs
+        assert took < 0.5 * 3 + 1.0, took
 
 
 async def test_ring_host_follows_generations_and_refuses_nonsense():
@@ -440,9 +489,9 @@ class Members:
         return [self._recv(i, timeout_s) for i in ranks]
 
     def form(self, size: int, **opts: Any) -> int:
-        """A new ring generation of members 0..size-1 (the others retire it)."""
+        """A new ring generation of members 0..size-1 (the others, still alive, retire it)."""
         self.gen += 1
-        self.ask(range(len(self.conns)), ("ring", self.gen, self.addresses[:size], opts))
+        self.ask([i for i, p in enumerate(self.procs) if p.is_alive()], ("ring", self.gen, self.addresses[:size], opts))
         return self.gen
 
     def close(self) -> None:
@@ -483,20 +532,23 @@ def _run_cases(members: Members, size: int, cases: list[tuple[str, int, int, int
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("size", [2, 3, 4])
-def test_every_dtype_and_size_in_real_processes(members, size):
+@pytest.mark.parametrize("size,halving", [(2, True), (3, True), (4, True), (4, False)],
+                         ids=["2", "3", "4-halving", "4-ring"])
+def test_every_dtype_and_size_in_real_processes(members, size, halving):
     """Every dtype but bool, sizes smaller than N, not divisible by N and of many pieces: the sum,
-    exact for integers, bit-identical on every member, with the ring algorithm (small_bytes=0) and
-    with the automatic choice (small tensors one-step, the others ring; run concurrently)."""
-    members.form(size, piece_bytes=64, small_bytes=0, timeout_s=10.0)
+    exact for integers, bit-identical on every member, with the large-tensor algorithm
+    (small_bytes=0: the ring, or halving-doubling at 4 members unless turned off) and with the
+    automatic choice (small tensors one-step, the others large; run concurrently)."""
+    large = "halving_ops" if halving and size == 4 else "ring_ops"
+    members.form(size, piece_bytes=64, small_bytes=0, timeout_s=10.0, halving_doubling=halving)
     sizes = sorted({1, size - 1, 2 * size + 1, 1003} - {0})
     cases = [(d, n, op, 100 * size + op) for op, (d, n) in enumerate((d, n) for d in DTYPE_NAMES for n in sizes)]
     before = _run_cases(members, size, cases)
-    assert all(s["ring_ops"] == len(cases) and s["small_ops"] == 0 for s in before), before
-    members.form(size, piece_bytes=64, small_bytes=256, timeout_s=10.0, max_ops_ahead=64)
+    assert all(s[large] == len(cases) and s["small_ops"] == 0 for s in before), before
+    members.form(size, piece_bytes=64, small_bytes=256, timeout_s=10.0, max_ops_ahead=64, halving_doubling=halving)
     auto = [(d, n, op, 7 * size + op) for op, (d, n) in enumerate((d, n) for d in DTYPE_NAMES for n in (5, 301))]
     stats = _run_cases(members, size, auto, concurrent=True)
-    assert all(s["small_ops"] == len(DTYPE_NAMES) and s["ring_ops"] == len(DTYPE_NAMES) for s in stats), stats
+    assert all(s["small_ops"] == len(DTYPE_NAMES) and s[large] == len(DTYPE_NAMES) for s in stats), stats
 
 
 @pytest.mark.cluster
@@ -512,6 +564,33 @@ def test_stale_generation_is_refused_by_a_real_member(members):
 
     assert asyncio.run(probe()) == "stale_ring"
     _run_cases(members, 2, [("float32", 70000, 0, 3)])
+
+
+@pytest.mark.cluster
+def test_a_member_killed_mid_op_breaks_halving_doubling_within_the_timeout(members):
+    """Four members, halving-doubling: member 3 dies (SIGKILL) after consuming a few pieces of its
+    first step. Members 1 and 2, whose partner it is at steps 0 and 1, raise RingBroken naming it
+    within about timeout_s; member 0, paired with 2 and 1, fails too (naming 3 from their
+    refusals, or the partner it waits for). (Kills member 3: before the ring's kill test.)"""
+    timeout_s = 1.5
+    members.form(4, piece_bytes=64, small_bytes=0, timeout_s=timeout_s)
+    members.ask([3], ("kill_after", 3))
+    case = [("float32", 3000, 0, 2)]
+    for i in range(4):
+        members.conns[i].send(("reduce", case, False))
+    t0 = time.monotonic()
+    replies = [members._recv(i, 30) for i in (0, 1, 2)]
+    took = time.monotonic() - t0
+    members.procs[3].join(timeout=10)
+    assert members.procs[3].exitcode == -signal.SIGKILL
+    named = []
+    for i, (outs, stats, _) in enumerate(replies):
+        kind, name, member, text = outs[0]
+        assert kind == "error" and name == "RingBroken", (i, outs)
+        assert stats["halving_ops"] == 1, stats
+        named.append(member)
+    assert named[1] == 3 and named[2] == 3 and named[0] in (1, 2, 3), named
+    assert took < 2 * timeout_s + 3, took
 
 
 @pytest.mark.cluster

@@ -395,14 +395,16 @@ async def test_the_process_arena_is_used_once_a_request_carries_its_memory(job):
             assert client.shm_active and client.stats["shm_bytes_out"] == 1 << 18
 
 
-async def test_a_rings_one_way_pieces_travel_by_reference(job):
-    """Three ring members whose tensors lie in the process arena: after the first requests shook
-    hands, every piece, one-way ones included (Client.send(lend=True)), goes as a reference, and
-    the sums are right op after op (the sender's memory is read only before it is written again)."""
+@pytest.mark.parametrize("size", [3, 4], ids=["ring", "halving"])
+async def test_a_rings_one_way_pieces_travel_by_reference(job, size):
+    """Three ring members (four: halving-doubling) whose tensors lie in the process arena: after
+    the first requests shook hands, every piece, one-way ones included (Client.send(lend=True)),
+    goes as a reference, and the sums are right op after op (the sender's memory is read only
+    before it is written again)."""
     from hmp.collective import Ring, RingHost
 
     arena = shm.open_process_arena(job, "ring")
-    n, size = 3 * (1 << 16) + 5, 3
+    n = 3 * (1 << 16) + 5
     hosts = [RingHost(timeout_s=10) for _ in range(size)]
     servers = [Server("tcp://127.0.0.1:0", {Kind.RING: h.on_piece}, name=f"m{r}") for r, h in enumerate(hosts)]
     rings: list[Ring] = []
@@ -421,7 +423,8 @@ async def test_a_rings_one_way_pieces_travel_by_reference(job):
                 t.copy_(torch.arange(n, dtype=torch.float32) * (r + 1) + op)
             inline = sum(srv.stats["bytes_in"] for srv in servers)
             await asyncio.wait_for(asyncio.gather(*(rings[r].all_reduce(ts[r], op) for r in range(size))), 30)
-            want = torch.arange(n, dtype=torch.float32) * 6 + 3 * op
+            assert rings[0].stats["halving_ops" if size == 4 else "ring_ops"] == op + 1
+            want = torch.arange(n, dtype=torch.float32) * (size * (size + 1) // 2) + size * op
             for r, t in enumerate(ts):
                 assert torch.equal(t, want), f"op {op} member {r}"
             if op > 0:  # handshakes done: no piece's bytes travel inline

@@ -123,16 +123,88 @@ class Plan:
         return lo, min(lo + self.per_piece, self.starts[segment + 1])
 
 
+def power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HalvingPlan:
+    """Member ``rank``'s steps of recursive halving-doubling over ``members`` (a power of two, >= 4).
+
+    The tensor is cut into ``members`` segments as in :class:`Plan` (``starts``). Reduce-scatter
+    step ``k`` (``0 .. L - 1``, ``L = log2(members)``) pairs each member with ``rank ^ (members >>
+    (k + 1))``: the two split the segments they still hold in half, each sends the other half and
+    sums the half it keeps, so that after ``L`` steps member ``r`` holds segment ``r`` summed.
+    All-gather step ``L + i`` mirrors reduce-scatter step ``L - 1 - i`` (same partner): each sends
+    what it kept there, now final, and receives what it sent there. Step ``t`` sends the elements
+    ``sends[t]`` and receives ``recvs[t]`` (``[lo, hi)``), each cut into pieces of ``per_piece``
+    from its start (``region``).
+    """
+
+    members: int
+    per_piece: int
+    starts: tuple[int, ...]
+    partners: tuple[int, ...]
+    sends: tuple[tuple[int, int], ...]
+    recvs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, rank: int, members: int, numel: int, per_piece: int) -> HalvingPlan:
+        if members < 4 or not power_of_two(members):
+            raise ValueError(f"halving-doubling needs a power of two >= 4 members, got {members}")
+        starts = tuple(i * numel // members for i in range(members + 1))
+        partners, send_segs, keep_segs = [], [], []
+        a, b, d = 0, members, members // 2
+        while d >= 1:
+            m = (a + b) // 2
+            keep, send = ((m, b), (a, m)) if rank & d else ((a, m), (m, b))
+            partners.append(rank ^ d)
+            send_segs.append(send)
+            keep_segs.append(keep)
+            (a, b), d = keep, d // 2
+        levels = len(partners)
+        partners += partners[::-1]
+        send_segs, recv_segs = send_segs + keep_segs[::-1], keep_segs + send_segs[::-1]
+        return cls(members, per_piece, starts, tuple(partners),
+                   tuple((starts[x], starts[y]) for x, y in send_segs),
+                   tuple((starts[x], starts[y]) for x, y in recv_segs))
+
+    @property
+    def steps(self) -> int:
+        return len(self.partners)
+
+    @property
+    def levels(self) -> int:
+        """Reduce-scatter steps (``log2(members)``); the all-gather has as many."""
+        return len(self.partners) // 2
+
+    def count(self, rng: tuple[int, int]) -> int:
+        return -(-(rng[1] - rng[0]) // self.per_piece)
+
+    def region(self, rng: tuple[int, int], piece: int) -> tuple[int, int]:
+        lo = rng[0] + piece * self.per_piece
+        return lo, min(lo + self.per_piece, rng[1])
+
+    def overlapping(self, rng: tuple[int, int], lo: int, hi: int) -> range:
+        """The pieces of ``rng`` that share elements with ``[lo, hi)``."""
+        lo, hi = max(lo, rng[0]), min(hi, rng[1])
+        if lo >= hi:
+            return range(0)
+        return range((lo - rng[0]) // self.per_piece, (hi - 1 - rng[0]) // self.per_piece + 1)
+
+
 class _Op:
     """One running all-reduce on this member."""
 
     __slots__ = ("op", "work", "small", "plan", "stage", "loop", "error", "done", "cond", "last_progress",
                  "seen", "expected", "received", "inflight", "queue", "sends", "pump_blocked", "contrib", "got",
-                 "consumed", "unanswered", "prior_left", "prior_consumed")
+                 "consumed", "unanswered", "prior_left", "prior_consumed", "halving", "applied", "step_left",
+                 "step_consumed", "applied_more", "pending")
 
     def __init__(self, op: int, work: torch.Tensor, small: bool, plan: Plan | None, stage: Staging | None,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, halving: HalvingPlan | None = None) -> None:
         self.op, self.work, self.small, self.plan, self.stage, self.loop = op, work, small, plan, stage, loop
+        self.halving = halving
         self.error: BaseException | None = None
         self.done: asyncio.Future = loop.create_future()  # woken when cond() holds or on failure
         self.cond: Callable[[], bool] = lambda: False
@@ -149,6 +221,13 @@ class _Op:
         # woken at 0: a last-step piece is answered only then (one-way pieces have no answer of their own)
         self.prior_left = 0
         self.prior_consumed: asyncio.Future = loop.create_future()
+        # halving-doubling: pieces applied, per step; pieces of a step still to apply, and woken at 0
+        # (an all-gather step's last piece is answered only then); woken when any piece is applied
+        self.applied: set[tuple[int, int]] = set()
+        self.step_left: list[int] = []
+        self.step_consumed: list[asyncio.Future] = []
+        self.applied_more: asyncio.Future | None = None
+        self.pending: list[collections.deque[int]] = []  # per step: pieces not sent yet, in order
         # small algorithm
         self.contrib: list[Any] | None = None
         self.got = 0
@@ -162,6 +241,9 @@ class _Op:
         _wake(self.consumed)
         _wake(self.prior_consumed)
         _wake(self.pump_blocked)
+        _wake(self.applied_more)
+        for fut in self.step_consumed:
+            _wake(fut)
 
 
 class Ring:
@@ -175,7 +257,9 @@ class Ring:
     ready, most of them one-way); ``max_ops_ahead`` the distinct operations not started here whose
     early pieces may wait (keep it above the number of all-reduces a member runs without waiting
     for the others, e.g. one step's buckets). Every member must use the same ``piece_bytes``,
-    ``small_bytes`` and ``window`` (None or not). ``stage``: run the algorithm on a host copy of the
+    ``small_bytes``, ``halving_doubling`` and ``window`` (None or not). ``halving_doubling``: with
+    a power of two (>= 4) members, tensors above the small threshold take recursive
+    halving-doubling instead of the ring (the same bytes in fewer messages). ``stage``: run the algorithm on a host copy of the
     tensor (None: for tensors not on the CPU, i.e. CUDA; True also for CPU tensors, which tests use).
     ``job_token`` and ``security`` go to the clients to the other members (hmp.transport.endpoint.Client;
     None: the process's, which a daemon sets: docs/protocol.md, "Trust").
@@ -185,7 +269,8 @@ class Ring:
                  limits: Limits = DEFAULT_LIMITS, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  small_bytes: int = DEFAULT_SMALL_BYTES, timeout_s: float = 60.0, window: int | None = None,
                  max_ops_ahead: int = 32, frame_bytes: int = DEFAULT_FRAME_BYTES, stage: bool | None = None,
-                 ctx: Any = None, job_token: str | None = None, security: Any = None) -> None:
+                 halving_doubling: bool = True, ctx: Any = None, job_token: str | None = None,
+                 security: Any = None) -> None:
         addresses = tuple(addresses)
         # The members' clients speak for the job: its token and CURVE keys (None: the process's, see
         # hmp.transport.endpoint.set_process_job_token and hmp.transport.security).
@@ -203,6 +288,7 @@ class Ring:
         self.name, self.limits, self.frame_bytes, self.ctx = name, limits, frame_bytes, ctx
         self.piece_bytes, self.small_bytes, self.timeout_s = piece_bytes, small_bytes, timeout_s
         self.window, self.max_ops_ahead, self.stage = window, max_ops_ahead, stage
+        self.halving_doubling = halving_doubling
         self.next, self.prev = (rank + 1) % self.size, (rank - 1) % self.size
         self._clients: dict[int, Client] = {}
         self._ops: dict[int, _Op] = {}
@@ -213,7 +299,7 @@ class Ring:
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict = {}
         self._hosts: dict[tuple, list[torch.Tensor]] = {}
-        self.stats = {"ops": 0, "ring_ops": 0, "small_ops": 0, "pieces_sent": 0, "pieces_received": 0,
+        self.stats = {"ops": 0, "ring_ops": 0, "small_ops": 0, "halving_ops": 0, "pieces_sent": 0, "pieces_received": 0,
                       "bytes_sent": 0, "bytes_received": 0, "early_pieces": 0, "refused": 0,
                       "staged_in": 0, "staged_out": 0}
         self.log = log.bind(node=name, ring=generation, rank=rank)
@@ -280,11 +366,14 @@ class Ring:
     # ------------------------------------------------------------------ all-reduce
 
     def algorithm(self, tensor: torch.Tensor) -> str:
-        """``"small"``, ``"ring"`` or ``"none"`` (one member or no elements): what all_reduce would run."""
+        """What all_reduce would run: ``"small"``, ``"halving"`` (halving-doubling), ``"ring"``, or
+        ``"none"`` (one member or no elements)."""
         nbytes = tensor.numel() * tensor.element_size()
         if self.size == 1 or nbytes == 0:
             return "none"
-        return "small" if nbytes * (self.size - 1) <= self.small_bytes else "ring"
+        if nbytes * (self.size - 1) <= self.small_bytes:
+            return "small"
+        return "halving" if self.halving_doubling and self.size >= 4 and power_of_two(self.size) else "ring"
 
     async def all_reduce(self, tensor: torch.Tensor, op: int) -> torch.Tensor:
         """Sum the 1-D contiguous ``tensor`` in place over all members; returns it.
@@ -324,7 +413,8 @@ class Ring:
             work = self._take_host(n, tensor.dtype, pin=tensor.is_cuda)
             stage = Staging(tensor, work, self._copier_pool(), loop, side_stream(tensor.device, self._streams))
         per_piece = max(1, self.piece_bytes // tensor.element_size())
-        o = _Op(op, work, algo == "small", None if algo == "small" else Plan.of(self.size, n, per_piece), stage, loop)
+        o = _Op(op, work, algo == "small", Plan.of(self.size, n, per_piece) if algo == "ring" else None, stage, loop,
+                HalvingPlan.of(self.rank, self.size, n, per_piece) if algo == "halving" else None)
         self._ops[op] = o
         _wake(self._early.pop(op, None))  # early pieces of this op go on now
         ok = False
@@ -332,6 +422,9 @@ class Ring:
             if o.small:
                 self.stats["small_ops"] += 1
                 await self._run_small(o)
+            elif o.halving is not None:
+                self.stats["halving_ops"] += 1
+                await self._run_halving(o)
             else:
                 self.stats["ring_ops"] += 1
                 await self._run_ring(o)
@@ -382,7 +475,10 @@ class Ring:
                 member = min(o.unanswered, default=self.next)
                 what = "the answer to our contribution"
         elif o.inflight > 0:
-            member, what = self.next, f"answers to {o.inflight} pieces"
+            member = self.next if o.halving is None else o.unanswered.most_common(1)[0][0]
+            what = f"answers to {o.inflight} pieces"
+        elif o.halving is not None:
+            member, what = self._halving_blocking(o), f"{o.expected - o.received} pieces"
         else:
             member, what = self._blocking(o), f"{o.expected - o.received} pieces"
         return RingBroken(f"{self.name}: op {o.op} made no progress for {self.timeout_s} s; waiting for member "
@@ -397,14 +493,17 @@ class Ring:
         reduce-scatter (they come from the members between) and nothing of step ``k - 1``; so a
         member that got nothing of its first incomplete step ``s < N - 1`` blames ``rank - s - 1``.
         Otherwise (a step in part, or the all-gather) the previous member, which stopped sending.
-        (The member just before a silent one names it by its unanswered step-0 pieces instead.)"""
+        (The member just before a silent one names it by its unanswered step-0 pieces instead; so
+        that member is never the next one, which answered ours: when ``rank - s - 1`` is the next
+        member, the previous one got its data to us and then died.)"""
         plan, size, seen = o.plan, self.size, o.seen
         assert plan is not None
         for step in range(size - 1):
             seg = (self.rank - step - 1) % size
             missing = sum((step, j) not in seen for j in range(plan.counts[seg]))
             if missing:
-                return (self.rank - step - 1) % size if missing == plan.counts[seg] else self.prev
+                silent = (self.rank - step - 1) % size
+                return silent if missing == plan.counts[seg] and silent != self.next else self.prev
         return self.prev
 
     def _refused(self, member: int, exc: RemoteError) -> None:
@@ -431,15 +530,15 @@ class Ring:
 
     # ------------------------------------------------------------------ sending
 
-    async def _post(self, o: _Op, msg: RingPiece) -> None:
-        """One piece one-way to the next member; never raises (a failure fails the ring). Its
-        region is not written again before the next member consumed it: the ring's data flow
-        guarantees it (docs/collective.md, "One-way pieces")."""
+    async def _post(self, o: _Op, member: int, msg: RingPiece) -> None:
+        """One piece one-way to ``member``; never raises (a failure fails the ring). Its region is
+        not written again before that member consumed it: the algorithm's data flow guarantees it
+        (docs/collective.md, "One-way pieces")."""
         try:
-            await self._clients[self.next].send(msg, lend=True)
+            await self._clients[member].send(msg, lend=True)
         except Exception as exc:  # noqa: BLE001 - the ring fails with a named error instead
             if o.error is None:
-                self._fail(self._broken_by(self.next, exc))
+                self._fail(self._broken_by(member, exc))
             return
         stats = self.stats
         stats["pieces_sent"] += 1
@@ -463,7 +562,9 @@ class Ring:
         stats["pieces_sent"] += 1
         stats["bytes_sent"] += msg.values.numel() * msg.values.element_size()
         if o.error is None:
-            if o.queue:
+            if o.halving is not None:
+                self._pump_halving(o)
+            elif o.queue:
                 self._pump(o)
             self._check(o)
 
@@ -489,7 +590,7 @@ class Ring:
             lo, hi = plan.region(seg, j)
             msg = RingPiece(ring=self.generation, op=o.op, step=step, part=j, values=o.work[lo:hi], sender=self.name)
             if window is None and not self._answered(step):
-                task = start_eager(self._post(o, msg), o.loop)
+                task = start_eager(self._post(o, self.next, msg), o.loop)
             else:
                 task = start_eager(self._send(o, self.next, msg), o.loop)
             if task is not None:
@@ -506,7 +607,10 @@ class Ring:
     def _unblock(self, o: _Op) -> None:
         o.pump_blocked = None
         if o.error is None:
-            self._pump(o)
+            if o.halving is not None:
+                self._pump_halving(o)
+            else:
+                self._pump(o)
 
     async def _run_ring(self, o: _Op) -> None:
         plan, size, rank = o.plan, self.size, self.rank
@@ -523,6 +627,81 @@ class Ring:
         stage = o.stage
         await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not o.queue
                                       and (stage is None or stage.pending_out == 0)))
+
+    async def _run_halving(self, o: _Op) -> None:
+        hp = o.halving
+        assert hp is not None
+        steps = hp.steps
+        o.step_left = [hp.count(hp.recvs[t]) for t in range(steps)]
+        o.expected = sum(o.step_left)
+        o.step_consumed = [o.loop.create_future() for _ in range(steps)]
+        if o.stage is not None:
+            # Step 0 sends one half and receives into the other: the whole tensor, in that order.
+            send0, recv0 = hp.sends[0], hp.recvs[0]
+            o.stage.start([(("send", j), *hp.region(send0, j)) for j in range(hp.count(send0))]
+                          + [(("recv", j), *hp.region(recv0, j)) for j in range(hp.count(recv0))])
+        o.pending = [collections.deque(range(hp.count(hp.sends[t]))) for t in range(steps)]
+        self._pump_halving(o)
+        stage = o.stage
+        await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not any(o.pending)
+                                      and (stage is None or stage.pending_out == 0)))
+
+    def _pump_halving(self, o: _Op) -> None:
+        """Send the ready pieces of every step, in order within a step, while the window allows.
+
+        A piece is ready when the pieces of the earlier steps that share elements with it were
+        applied here (step 0: when its device copy landed). One-way but for an all-gather step's
+        first piece, whose answer says that the partner applied the whole step (``window`` set:
+        every piece is a request). The first, not the last: a request is what starts a client's
+        shared-memory handshake, and only one carrying arena memory, which a small last piece
+        may not (it stays inline); the pieces after it then go by reference."""
+        hp, window, stage = o.halving, self.window, o.stage
+        assert hp is not None
+        for t, pending in enumerate(o.pending):
+            sent = hp.sends[t]
+            while pending and o.error is None and (window is None or o.inflight < window):
+                j = pending[0]
+                lo, hi = hp.region(sent, j)
+                if t == 0 and stage is not None:
+                    fut = stage.ready(("send", j))
+                    if fut is not None:
+                        if o.pump_blocked is not fut:
+                            o.pump_blocked = fut
+                            fut.add_done_callback(lambda _f: self._unblock(o))
+                        break
+                    if stage.error is not None:
+                        self._check(o)
+                        return
+                elif not self._halving_ready(o, t, lo, hi):
+                    break
+                pending.popleft()
+                msg = RingPiece(ring=self.generation, op=o.op, step=t, part=j, values=o.work[lo:hi], sender=self.name)
+                if window is None and not (t >= hp.levels and j == 0):  # not an all-gather step's first
+                    start_eager(self._post(o, hp.partners[t], msg), o.loop)
+                else:
+                    start_eager(self._send(o, hp.partners[t], msg), o.loop)
+
+    @staticmethod
+    def _halving_ready(o: _Op, step: int, lo: int, hi: int) -> bool:
+        """Whether every piece of the steps before ``step`` that shares elements with ``[lo, hi)`` was applied."""
+        hp, applied = o.halving, o.applied
+        assert hp is not None
+        for s in range(step):
+            for j in hp.overlapping(hp.recvs[s], lo, hi):
+                if (s, j) not in applied:
+                    return False
+        return True
+
+    def _halving_blocking(self, o: _Op) -> int:
+        """The member a stalled halving-doubling operation waits for: the partner of the first step
+        with pieces missing here (best effort, as for the ring: that partner may itself wait for
+        its own earlier partner)."""
+        hp = o.halving
+        assert hp is not None
+        for t in range(hp.steps):
+            if any((t, j) not in o.seen for j in range(hp.count(hp.recvs[t]))):
+                return hp.partners[t]
+        return hp.partners[0]
 
     async def _run_small(self, o: _Op) -> None:
         size, work = self.size, o.work
@@ -575,6 +754,8 @@ class Ring:
             o = await self._wait_start(msg)
         if o.small:
             return await self._take_small(o, msg)
+        if o.halving is not None:
+            return await self._take_halving(o, msg)
         return await self._take_ring(o, msg)
 
     def _aborted(self, exc: BaseException) -> RequestError:
@@ -673,6 +854,64 @@ class Ring:
             # from the sender was consumed: only then may the sender's all_reduce return and its
             # caller write the tensor (a one-way piece may be a view of it, in shared memory).
             await asyncio.wait({o.prior_consumed})
+            if o.error is not None:
+                raise self._aborted(o.error)
+        return _ACK
+
+    async def _take_halving(self, o: _Op, msg: RingPiece) -> Message:
+        hp, step, j = o.halving, msg.step, msg.part
+        assert hp is not None
+        if not 0 <= step < hp.steps:
+            # Its sender is unknown (the step names it): it fails at once on our error reply.
+            raise self._refuse(msg, "not a halving-doubling step (the members disagree on the algorithm)")
+        rng, member = hp.recvs[step], hp.partners[step]
+        if not 0 <= j < hp.count(rng):
+            raise self._refuse(msg, f"step {step} has {hp.count(rng)} pieces", o, member)
+        lo, hi = hp.region(rng, j)
+        v = msg.values
+        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
+            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, member)
+        key = (step, j)
+        if key in o.seen:
+            raise self._refuse(msg, "duplicate piece")
+        o.seen.add(key)
+        if step == 0 and o.stage is not None:  # the first write of the region: after its device copy
+            fut = o.stage.ready(("recv", j))
+            if fut is not None:
+                await asyncio.wait({fut})
+            self._check(o)
+        # The earlier steps' pieces of this region first: a partner may be a step ahead of another,
+        # and the sums must be added in the same order on every run (and the all-gather must not
+        # overwrite a region before its reduction is complete).
+        while o.error is None and not self._halving_ready(o, step, lo, hi):
+            if o.applied_more is None or o.applied_more.done():
+                o.applied_more = o.loop.create_future()
+            await asyncio.wait({o.applied_more})
+        if o.error is not None:
+            raise self._aborted(o.error)
+        dst = o.work[lo:hi]
+        if step < hp.levels:
+            dst.add_(v)  # reduce-scatter: straight from the received frame into the tensor
+        else:
+            dst.copy_(v)  # all-gather
+        o.applied.add(key)
+        _wake(o.applied_more)
+        o.received += 1
+        o.last_progress = o.loop.time()
+        stats = self.stats
+        stats["pieces_received"] += 1
+        stats["bytes_received"] += (hi - lo) * v.element_size()
+        if step >= hp.levels - 1 and o.stage is not None:  # final from now on: back to the device
+            o.stage.write_back(lo, hi, lambda: self._check(o))
+        o.step_left[step] -= 1
+        if o.step_left[step] == 0:
+            _wake(o.step_consumed[step])
+        self._pump_halving(o)
+        self._check(o)
+        if self.window is None and step >= hp.levels and j == 0 and o.step_left[step]:
+            # The answer to an all-gather step's first piece says the whole step was applied: the
+            # sender's all_reduce may return only then (its pieces may be views of its tensor).
+            await asyncio.wait({o.step_consumed[step]})
             if o.error is not None:
                 raise self._aborted(o.error)
         return _ACK

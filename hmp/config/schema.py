@@ -174,6 +174,9 @@ class CollectiveConfig:
     small_bytes: int = _field(256 << 10, "allreduce: buckets whose bytes times (workers - 1) are at most this use "
                                          "the one-step algorithm (every worker sends to every other) instead of the "
                                          "ring")
+    halving_doubling: bool = _field(True, "allreduce: with a power of two (4, 8, ...) of workers, buckets above "
+                                          "small_bytes are summed by recursive halving-doubling (the ring's bytes in "
+                                          "fewer messages, docs/collective.md); false: always the ring")
     timeout_s: float = _field(0.0, "allreduce: a collective that makes no progress for this long fails (0: "
                                    "limits.request_timeout_s). A backstop: a lost member is found by the heartbeats "
                                    "and the re-formed ring aborts the step at once; it must exceed the longest lag "

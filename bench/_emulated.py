@@ -40,6 +40,7 @@ processes.
 
     python bench/_emulated.py [--json] [--quick] [--mib 16] [--hosts 4] [--mbit 1000]
                               [--repeats N] [--rounds N] [--piece-bytes B] [--window N]
+                              [--algorithm auto|ring|halving]
 
 Result: ``{"hosts", "mbit", "size_bytes", "optimal_s", "link", "ring", "gloo", "ps", ...}``, each peer with
 ``median_s``, ``fraction_of_optimal``, ``fraction_of_measured_link`` and their spreads; bench/allreduce.py
@@ -168,7 +169,7 @@ def _member_ring(io: _IO, spec: dict[str, Any]) -> None:
         await server.start()
         opts = {"piece_bytes": spec["piece_bytes"]} if spec["piece_bytes"] else {}  # None: the ring's default
         ring = Ring(rank=rank, addresses=[f"tcp://{a}:{port}" for a in addrs], generation=1, name=f"ring{rank}",
-                    timeout_s=REPLY_TIMEOUT_S, window=spec["window"], **opts)
+                    timeout_s=REPLY_TIMEOUT_S, window=spec["window"], algorithm=spec["algorithm"], **opts)
         await ring.connect()
         host.install(ring)
         t = torch.empty(spec["numel"], dtype=torch.float32)
@@ -585,11 +586,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def run_emulated(size_bytes: int = 16 * MiB, hosts: int = 4, mbit: float = 1000.0, repeats: int | None = None,
                  quick: bool = False, rounds: int | None = None, warm: int = 1, piece_bytes: int | None = None,
-                 window: int | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 window: int | None = None, log: Callable[[str], None] | None = None,
+                 algorithm: str = "auto") -> dict[str, Any]:
     """Ring, gloo and PS all-reduces of ``size_bytes`` of float32 on ``hosts`` emulated hosts with
     ``mbit`` links: ``repeats`` alternating cycles (one block of ``warm`` untimed + ``rounds`` timed
     ops per peer each; defaults 6 x 5, ``quick`` 2 x 3). ``{"skipped": reason}`` where network
-    namespaces cannot be created. ``piece_bytes``, ``window``: the ring's (None: its defaults, as a
+    namespaces cannot be created. ``piece_bytes``, ``window``, ``algorithm``: the ring's (None: its defaults, as a
     job's). ``log``: progress lines (default: stderr)."""
     if log is None:
         def log(line: str) -> None:
@@ -630,7 +632,8 @@ def run_emulated(size_bytes: int = 16 * MiB, hosts: int = 4, mbit: float = 1000.
             t_setup = time.perf_counter()
             common = {"addrs": addrs, "numel": numel}
             ring = [_member(emu, n, f"ring-{n}", "ring", {**common, "rank": i, "port": PORT["ring"],
-                                                            "piece_bytes": piece_bytes, "window": window}, logs)
+                                                            "piece_bytes": piece_bytes, "window": window,
+                                                            "algorithm": algorithm}, logs)
                     for i, n in enumerate(names)]
             gloo = [_member(emu, n, f"gloo-{n}", "gloo", {**common, "rank": i, "port": PORT["gloo"]}, logs,
                             GLOO_SOCKET_IFNAME="eth0") for i, n in enumerate(names)]
@@ -724,8 +727,10 @@ def run_emulated(size_bytes: int = 16 * MiB, hosts: int = 4, mbit: float = 1000.
     res["ring"]["options"] = {"piece_bytes": ring_info.get("piece_bytes"), "window": ring_info.get("window")}
     if peers["ring"].stats:
         st = peers["ring"].stats[0]
-        ops = max(1, st.get("ring_ops", 0))
+        ops = max(1, st.get("ring_ops", 0) + st.get("halving_ops", 0))
         res["ring"]["bytes_sent_per_op_rank0"] = st.get("bytes_sent", 0) // ops
+        # hmp.collective picks halving-doubling for 4 (a power of two) members, the ring otherwise
+        res["ring"]["algorithm"] = "halving" if st.get("halving_ops") else "ring"
     res["ring"]["target"] = TARGET_RING
     res["ring"]["meets_target"] = res["ring"]["fraction_of_optimal"] >= TARGET_RING
     res["ps"]["setup"] = {"consistency": "sync", "chunk_bytes": CHUNK_BYTES,
@@ -789,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed ops per block")
     ap.add_argument("--piece-bytes", type=int, default=None, help="the ring's piece size (default: the ring's)")
     ap.add_argument("--window", type=int, default=0, help="the ring's pieces in flight per op (0: unlimited)")
+    ap.add_argument("--algorithm", default="auto", choices=["auto", "ring", "halving"],
+                    help="the ring peer's algorithm (auto: the ring here, the hosts being apart)")
     ap.add_argument("--member", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -796,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         return member_main(args.member, args.spec)
     try:
         res = run_emulated(int(args.mib * MiB), args.hosts, args.mbit, args.repeats, args.quick, args.rounds,
-                           piece_bytes=args.piece_bytes, window=args.window or None)
+                           piece_bytes=args.piece_bytes, window=args.window or None, algorithm=args.algorithm)
     except KeyboardInterrupt:
         return 130
     print("\n".join(report_lines(res)))

@@ -5,7 +5,10 @@ over pipes (house style: bench/_stats.py):
   * ``gloo``: ``torch.distributed`` with the gloo backend over loopback TCP, ``all_reduce`` (sum);
   * ``ring_tcp``: :class:`hmp.collective.Ring` over hmp's TCP transport, each process a
     ``Server`` routing ``Kind.RING`` to a ``RingHost`` (as a daemon would), ``tune_malloc()``
-    first (as daemons do);
+    first (as daemons do). Its algorithm is the one hmp picks: the ring, or recursive
+    halving-doubling for 4 (a power of two) processes on one host (``<case>.ring_tcp_algorithm``);
+  * ``ring_only_tcp`` (4 processes only): the same with ``algorithm="ring"``, so that both
+    algorithms are measured against gloo in the same run (``ratio_ring_only_vs_gloo``);
   * ``ring_shm``: the same ring with each process's tensor in its shared-memory arena
     (docs/shm.md): pieces to members on this host travel as references to the sender's memory;
     skipped, with the reason in the output, where /dev/shm is not writable.
@@ -90,9 +93,15 @@ class PeerSpec:
     ring_opts: dict[str, Any] = dataclasses.field(default_factory=dict)
     ratio_key: str | None = None
     missing: Callable[[], str | None] = lambda: None
+    runs_at: Callable[[int], bool] = lambda procs: True  # which process counts it is measured at
 
 
 ALLOCATORS: dict[str, Callable[[int], torch.Tensor]] = {"plain": _alloc_plain, "shm": _alloc_shm}
+
+
+def _halving_applies(procs: int) -> bool:
+    """Whether hmp picks halving-doubling for ``procs`` members on one host (a power of two, at least 4)."""
+    return procs >= 4 and procs & (procs - 1) == 0
 
 
 def peer_specs(piece_bytes: int, window: int | None) -> list[PeerSpec]:
@@ -100,6 +109,9 @@ def peer_specs(piece_bytes: int, window: int | None) -> list[PeerSpec]:
     return [
         PeerSpec("gloo", "gloo"),
         PeerSpec("ring_tcp", "ring", "plain", ring, "ratio_vs_gloo"),
+        # Where hmp would pick halving-doubling: the ring algorithm too, measured in the same run.
+        PeerSpec("ring_only_tcp", "ring", "plain", {**ring, "algorithm": "ring"}, "ratio_ring_only_vs_gloo",
+                 runs_at=_halving_applies),
         # The tensor in the process's arena: pieces travel as shared-memory references.
         PeerSpec("ring_shm", "ring", "shm", ring, "ratio_shm_vs_gloo", _shm_missing),
     ]
@@ -246,7 +258,8 @@ def bench(procs: int, sizes_mib: list[int], specs: list[PeerSpec], cycles: int) 
     out: dict[str, Any] = {}
     try:
         for spec in specs:
-            groups[spec.name] = Group(spec, procs)
+            if spec.runs_at(procs):
+                groups[spec.name] = Group(spec, procs)
         for g in groups.values():
             g.ready()
         for mib in sizes_mib:
@@ -276,12 +289,13 @@ def bench(procs: int, sizes_mib: list[int], specs: list[PeerSpec], cycles: int) 
                 if cpu[name]:
                     res[f"{name}_cpu_ms_per_op"] = round(1e3 * quantile(cpu[name], 0.5), 1)
             for spec in specs:
-                if spec.ratio_key:
+                if spec.ratio_key and spec.name in groups:
                     rs = ratios(times["gloo"], times[spec.name])  # gloo time / ring time: > 1, hmp faster
                     res[spec.ratio_key] = round(quantile(rs, 0.5), 3)
                     res[f"{spec.ratio_key}_spread"] = spread(rs)
             if "ring_tcp" in groups:
-                res["ring_stats_rank0"] = groups["ring_tcp"].ask("stats")[0]
+                res["ring_stats_rank0"] = st = groups["ring_tcp"].ask("stats")[0]
+                res["ring_tcp_algorithm"] = "halving" if st.get("halving_ops") else "ring"
             out[f"p{procs}_{mib}mib"] = res
     finally:
         for g in groups.values():
@@ -341,19 +355,22 @@ def main() -> None:
 def report(res: dict[str, Any], rings: list[PeerSpec]) -> None:
     print(f"all-reduce (sum) of float32 tensors, one host, loopback; {res['cycles']} alternating cycles; "
           f"ring options {res['ring_options']}")
-    print(f"{'case':<16}{'peer':<10}{'ms/op':>9}{'min':>9}{'max':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+    print(f"{'case':<16}{'peer':<15}{'ms/op':>9}{'min':>9}{'max':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}"
           f"{'CPU ms/op':>11}")
     for case in res["cases"].values():
         label = f"{case['procs']} procs {case['mib']} MiB"
-        for name in ["gloo", *[s.name for s in rings]]:
+        for name in ["gloo", *[s.name for s in rings if f"{s.name}_ms_blocks" in case]]:
             b = case[f"{name}_ms_blocks"]
-            print(f"{label:<16}{name:<10}{case[f'{name}_ms']:>9.2f}{b['min']:>9.2f}{b['max']:>9.2f}"
+            print(f"{label:<16}{name:<15}{case[f'{name}_ms']:>9.2f}{b['min']:>9.2f}{b['max']:>9.2f}"
                   f"{case[f'{name}_algbw_gbps']:>12.3f}{case[f'{name}_busbw_gbps']:>12.3f}"
                   f"{case.get(f'{name}_cpu_ms_per_op', float('nan')):>11.1f}")
             label = ""
         for s in rings:
-            print(f"{'':<16}{s.ratio_key} (gloo time / ring time, per adjacent pair): "
-                  f"{fmt_spread(case[f'{s.ratio_key}_spread'])}")
+            if f"{s.ratio_key}_spread" in case:
+                print(f"{'':<16}{s.ratio_key} (gloo time / ring time, per adjacent pair): "
+                      f"{fmt_spread(case[f'{s.ratio_key}_spread'])}")
+        if "ring_tcp_algorithm" in case:
+            print(f"{'':<16}ring_tcp ran hmp's choice: {case['ring_tcp_algorithm']}")
     for name, why in res["skipped"].items():
         print(f"skipped {name}: {why}")
     print(f"headline ratio_vs_gloo ({res['headline_case']}) = {res['ratio_vs_gloo']} (target >= 0.9)")

@@ -41,16 +41,19 @@ bind = "tcp://127.0.0.1:{free_port()}"
 
 
 def test_allreduce_job_trains_digits_through_hmp_launch(tmp_path):
-    """bin/hmp-launch trains the digits MLP with two workers and no PS to >= 95%; the replicas end bit-identical."""
-    proc = subprocess.run([BIN, str(ring_config(tmp_path))], capture_output=True, text=True, timeout=240)
+    """bin/hmp-launch trains the digits MLP with four workers and no PS to >= 95% (on one host: buckets above
+    small_bytes by halving-doubling, docs/collective.md); the replicas end bit-identical."""
+    proc = subprocess.run([BIN, str(ring_config(tmp_path, workers=4))], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["consistency"] == "allreduce" and report["sharding"] == {}
     assert report["final"]["test_accuracy"] >= 0.95 and report["final"]["evaluated_by"] == "w0"
     assert [r["generation"] for r in report["rings"]] == [1]
-    finals = [report["series"][w][-1] for w in ("w0", "w1")]
-    assert finals[0]["updates"] == finals[1]["updates"] > 0  # lockstep: the same steps on both
-    assert finals[0]["params_crc32"] == finals[1]["params_crc32"]  # identical replicas, bit for bit
+    finals = [report["series"][w][-1] for w in ("w0", "w1", "w2", "w3")]
+    assert finals[0]["updates"] > 0 and len({f["updates"] for f in finals}) == 1  # lockstep: the same steps
+    assert len({f["params_crc32"] for f in finals}) == 1  # identical replicas, bit for bit
+    logs = [(tmp_path / "run" / "logs" / f"w{i}.log").read_text() for i in range(4)]
+    assert all('"large_buckets": "halving"' in log for log in logs), "halving-doubling not picked on one host"
 
 
 async def test_allreduce_job_through_the_api_with_three_workers_survives_a_killed_member(tmp_path):

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from hmp.collective import (GradientBuckets, Plan, Ring, RingBroken, RingError, RingHost, plan_buckets)
-from hmp.collective.ring import HalvingPlan
+from hmp.collective.ring import ALGORITHMS, HalvingPlan, one_host
+from hmp.config.schema import ALLREDUCE_ALGORITHMS
 from hmp.errors import RemoteError
 from hmp.flat import FlatLayout
 from hmp.messages import Kind, RingPiece
@@ -132,12 +133,30 @@ async def test_arguments_are_checked():
         await solo.all_reduce(t, 3)
     assert ring.algorithm(torch.zeros(10)) == "small" and ring.algorithm(torch.zeros(1 << 20)) == "ring"
     assert ring.algorithm(torch.zeros(0)) == "none"
-    four = [f"tcp://127.0.0.1:{i}" for i in range(1, 5)]
-    assert Ring(rank=0, addresses=four, generation=1).algorithm(torch.zeros(1 << 20)) == "halving"
-    assert Ring(rank=0, addresses=four, generation=1, halving_doubling=False).algorithm(torch.zeros(1 << 20)) == "ring"
-    assert Ring(rank=0, addresses=four[:3], generation=1).algorithm(torch.zeros(1 << 20)) == "ring"
+    with pytest.raises(ValueError, match="algorithm"):
+        Ring(rank=0, addresses=["tcp://127.0.0.1:1"], generation=1, algorithm="tree")
     await ring.close()
     await solo.close()
+
+
+def test_the_algorithm_is_halving_doubling_for_a_power_of_two_on_one_host_by_default():
+    """"auto" (the default): halving-doubling for 4, 8, ... members on one host, the ring across
+    hosts or for other sizes; "ring" and "halving" force it (halving: where the size allows)."""
+    big = torch.zeros(1 << 20)
+    local4 = [f"tcp://127.0.0.1:{i}" for i in range(1, 5)]
+    hosts4 = [f"tcp://10.0.0.{i}:5000" for i in range(1, 5)]
+
+    def algo(addresses: list[str], **kw: Any) -> str:
+        return Ring(rank=0, addresses=addresses, generation=1, **kw).algorithm(big)
+
+    assert algo(local4) == "halving" and algo(local4 * 2) == "halving"
+    assert algo(local4[:3]) == "ring" and algo(local4[:2]) == "ring" and algo(local4 + local4[:2]) == "ring"
+    assert algo(hosts4) == "ring" and algo(hosts4, algorithm="halving") == "halving"
+    assert algo(local4, algorithm="ring") == "ring" and algo(local4[:3], algorithm="halving") == "ring"
+    assert one_host(["tcp://127.0.0.1:1", "tcp://localhost:2", "tcp://[::1]:3", "ipc:///tmp/x", "tcp://127.9.9.9:4"])
+    assert not one_host(["tcp://127.0.0.1:1", "tcp://node7:2"]) and not one_host(["tcp://[fe80::1]:1"])
+    assert not one_host(["inproc://x"])
+    assert ALGORITHMS == ALLREDUCE_ALGORITHMS  # the config's list is the ring's
 
 
 # ============================================================================ in-process rings
@@ -532,20 +551,20 @@ def _run_cases(members: Members, size: int, cases: list[tuple[str, int, int, int
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("size,halving", [(2, True), (3, True), (4, True), (4, False)],
+@pytest.mark.parametrize("size,algorithm", [(2, "auto"), (3, "auto"), (4, "auto"), (4, "ring")],
                          ids=["2", "3", "4-halving", "4-ring"])
-def test_every_dtype_and_size_in_real_processes(members, size, halving):
+def test_every_dtype_and_size_in_real_processes(members, size, algorithm):
     """Every dtype but bool, sizes smaller than N, not divisible by N and of many pieces: the sum,
     exact for integers, bit-identical on every member, with the large-tensor algorithm
-    (small_bytes=0: the ring, or halving-doubling at 4 members unless turned off) and with the
+    (small_bytes=0: the ring, or halving-doubling at 4 members on this host unless told "ring") and with the
     automatic choice (small tensors one-step, the others large; run concurrently)."""
-    large = "halving_ops" if halving and size == 4 else "ring_ops"
-    members.form(size, piece_bytes=64, small_bytes=0, timeout_s=10.0, halving_doubling=halving)
+    large = "halving_ops" if algorithm == "auto" and size == 4 else "ring_ops"
+    members.form(size, piece_bytes=64, small_bytes=0, timeout_s=10.0, algorithm=algorithm)
     sizes = sorted({1, size - 1, 2 * size + 1, 1003} - {0})
     cases = [(d, n, op, 100 * size + op) for op, (d, n) in enumerate((d, n) for d in DTYPE_NAMES for n in sizes)]
     before = _run_cases(members, size, cases)
     assert all(s[large] == len(cases) and s["small_ops"] == 0 for s in before), before
-    members.form(size, piece_bytes=64, small_bytes=256, timeout_s=10.0, max_ops_ahead=64, halving_doubling=halving)
+    members.form(size, piece_bytes=64, small_bytes=256, timeout_s=10.0, max_ops_ahead=64, algorithm=algorithm)
     auto = [(d, n, op, 7 * size + op) for op, (d, n) in enumerate((d, n) for d in DTYPE_NAMES for n in (5, 301))]
     stats = _run_cases(members, size, auto, concurrent=True)
     assert all(s["small_ops"] == len(DTYPE_NAMES) and s[large] == len(DTYPE_NAMES) for s in stats), stats

@@ -64,6 +64,7 @@ role = "cpu_worker"
         ({"train": 'policy = "hogbatch"'}, "train.policy", "lockstep"),
         ({"collective": "bucket_bytes = 3"}, "collective.bucket_bytes", ">= 64"),
         ({"collective": "timeout_s = -1"}, "collective.timeout_s", ">= 0"),
+        ({"collective": 'algorithm = "tree"'}, "collective.algorithm", "one of 'auto', 'ring', 'halving'"),
         ({"collective": "piece = 5"}, "collective.piece", "unknown key"),
     ]
     for fill, key, words in cases:

@@ -57,6 +57,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import ipaddress
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -123,8 +124,31 @@ class Plan:
         return lo, min(lo + self.per_piece, self.starts[segment + 1])
 
 
+#: ``Ring(algorithm=...)`` for tensors above the small threshold ("auto": halving where every member is on one host).
+ALGORITHMS = ("auto", "ring", "halving")
+
+
 def power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
+
+
+def one_host(addresses: Sequence[str]) -> bool:
+    """Whether every address is on this host by its form alone: ``ipc://``, or ``tcp://`` to a
+    loopback address or ``localhost`` (a name or another address may be any host: False)."""
+    for address in addresses:
+        if address.startswith("ipc://"):
+            continue
+        if not address.startswith("tcp://"):
+            return False
+        host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,9 +281,11 @@ class Ring:
     ready, most of them one-way); ``max_ops_ahead`` the distinct operations not started here whose
     early pieces may wait (keep it above the number of all-reduces a member runs without waiting
     for the others, e.g. one step's buckets). Every member must use the same ``piece_bytes``,
-    ``small_bytes``, ``halving_doubling`` and ``window`` (None or not). ``halving_doubling``: with
-    a power of two (>= 4) members, tensors above the small threshold take recursive
-    halving-doubling instead of the ring (the same bytes in fewer messages). ``stage``: run the algorithm on a host copy of the
+    ``small_bytes``, ``algorithm`` and ``window`` (None or not). ``algorithm`` picks what tensors
+    above the small threshold take (:data:`ALGORITHMS`): ``"ring"``; ``"halving"``, recursive
+    halving-doubling with a power of two (>= 4) members (the ring's bytes in fewer messages), the
+    ring otherwise; ``"auto"``, halving-doubling only where every member is on this host
+    (:func:`one_host`), the ring elsewhere. ``stage``: run the algorithm on a host copy of the
     tensor (None: for tensors not on the CPU, i.e. CUDA; True also for CPU tensors, which tests use).
     ``job_token`` and ``security`` go to the clients to the other members (hmp.transport.endpoint.Client;
     None: the process's, which a daemon sets: docs/protocol.md, "Trust").
@@ -269,7 +295,7 @@ class Ring:
                  limits: Limits = DEFAULT_LIMITS, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  small_bytes: int = DEFAULT_SMALL_BYTES, timeout_s: float = 60.0, window: int | None = None,
                  max_ops_ahead: int = 32, frame_bytes: int = DEFAULT_FRAME_BYTES, stage: bool | None = None,
-                 halving_doubling: bool = True, ctx: Any = None, job_token: str | None = None,
+                 algorithm: str = "auto", ctx: Any = None, job_token: str | None = None,
                  security: Any = None) -> None:
         addresses = tuple(addresses)
         # The members' clients speak for the job: its token and CURVE keys (None: the process's, see
@@ -282,13 +308,20 @@ class Ring:
         if piece_bytes < 1 or piece_bytes > min(frame_bytes, limits.max_message_bytes):
             raise ValueError(f"piece_bytes must be in 1..{min(frame_bytes, limits.max_message_bytes)} "
                              f"(one frame, one message), got {piece_bytes}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
         if small_bytes < 0 or timeout_s <= 0 or max_ops_ahead < 1 or (window is not None and window < 1):
             raise ValueError("small_bytes must be >= 0, timeout_s > 0, max_ops_ahead >= 1 and window None or >= 1")
         self.rank, self.addresses, self.size, self.generation = rank, addresses, len(addresses), generation
         self.name, self.limits, self.frame_bytes, self.ctx = name, limits, frame_bytes, ctx
         self.piece_bytes, self.small_bytes, self.timeout_s = piece_bytes, small_bytes, timeout_s
         self.window, self.max_ops_ahead, self.stage = window, max_ops_ahead, stage
-        self.halving_doubling = halving_doubling
+        # Halving-doubling, where the members' number allows, wins on one host (no links to share;
+        # CPU per message counts) and loses on a network of per-host links: its partners change
+        # from step to step, so a member a step ahead sends to one that still receives from
+        # another, and two streams share a link (docs/collective.md, "Which algorithm").
+        self.halving = (self.size >= 4 and power_of_two(self.size)
+                        and (algorithm == "halving" or (algorithm == "auto" and one_host(addresses))))
         self.next, self.prev = (rank + 1) % self.size, (rank - 1) % self.size
         self._clients: dict[int, Client] = {}
         self._ops: dict[int, _Op] = {}
@@ -373,7 +406,7 @@ class Ring:
             return "none"
         if nbytes * (self.size - 1) <= self.small_bytes:
             return "small"
-        return "halving" if self.halving_doubling and self.size >= 4 and power_of_two(self.size) else "ring"
+        return "halving" if self.halving else "ring"
 
     async def all_reduce(self, tensor: torch.Tensor, op: int) -> torch.Tensor:
         """Sum the 1-D contiguous ``tensor`` in place over all members; returns it.
@@ -1014,4 +1047,4 @@ class RingHost:
                            "unknown_ring")
 
 
-__all__ = ["DEFAULT_PIECE_BYTES", "DEFAULT_SMALL_BYTES", "SMALL_STEP", "Plan", "Ring", "RingHost"]
+__all__ = ["ALGORITHMS", "DEFAULT_PIECE_BYTES", "DEFAULT_SMALL_BYTES", "SMALL_STEP", "Plan", "Ring", "RingHost"]

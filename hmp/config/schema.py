@@ -55,6 +55,8 @@ class BatchPolicyKind(enum.StrEnum):
 
 
 WORKER_ROLES = (Role.CPU_WORKER, Role.GPU_WORKER)
+#: ``[collective] algorithm``: hmp.collective.ring.ALGORITHMS (the ring's own list; a test keeps them equal)
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "halving")
 #: hmp.placement.registry.PLANNERS' names (not imported here: the registry imports torch)
 PLANNER_NAMES = ("bruteforce", "greedy", "random", "ga", "rl")
 
@@ -174,9 +176,10 @@ class CollectiveConfig:
     small_bytes: int = _field(256 << 10, "allreduce: buckets whose bytes times (workers - 1) are at most this use "
                                          "the one-step algorithm (every worker sends to every other) instead of the "
                                          "ring")
-    halving_doubling: bool = _field(True, "allreduce: with a power of two (4, 8, ...) of workers, buckets above "
-                                          "small_bytes are summed by recursive halving-doubling (the ring's bytes in "
-                                          "fewer messages, docs/collective.md); false: always the ring")
+    algorithm: str = _field("auto", "allreduce: what buckets above small_bytes take: \"ring\"; \"halving\" "
+                                    "(recursive halving-doubling with 4, 8, ... workers: the ring's bytes in fewer "
+                                    "messages; the ring otherwise); \"auto\": halving where every worker is on "
+                                    "one host (loopback addresses), the ring across hosts (docs/collective.md)")
     timeout_s: float = _field(0.0, "allreduce: a collective that makes no progress for this long fails (0: "
                                    "limits.request_timeout_s). A backstop: a lost member is found by the heartbeats "
                                    "and the re-formed ring aborts the step at once; it must exceed the longest lag "
@@ -611,6 +614,9 @@ def _validate_allreduce(cfg: Config) -> None:
             raise ConfigError(p, f"collective.{key}", f"an integer >= 64, got {getattr(c, key)!r}")
     if c.small_bytes < 0:
         raise ConfigError(p, "collective.small_bytes", f"an integer >= 0, got {c.small_bytes!r}")
+    if c.algorithm not in ALLREDUCE_ALGORITHMS:
+        raise ConfigError(p, "collective.algorithm", f"one of {', '.join(map(repr, ALLREDUCE_ALGORITHMS))}, "
+                                                     f"got {c.algorithm!r}")
     if c.timeout_s < 0:
         raise ConfigError(p, "collective.timeout_s", f"a number >= 0 (0: from the heartbeat), got {c.timeout_s!r}")
 

@@ -167,12 +167,15 @@ class RingWorkerNode(WorkerNode):
         c = self.cfg.collective
         ring = Ring(rank=a.rank, addresses=list(a.addresses), generation=a.ring, name=self.id, limits=self.limits,
                     piece_bytes=min(c.piece_bytes, self.cfg.limits.frame_bytes), small_bytes=c.small_bytes,
-                    halving_doubling=c.halving_doubling,
+                    algorithm=c.algorithm,
                     timeout_s=self.collective_timeout_s, frame_bytes=self.cfg.limits.frame_bytes,
                     max_ops_ahead=256)  # a step's buckets + 1 may all arrive early: bounded by the in-flight cap
         await ring.connect()
         self.ring_host.install(ring)
         self.ring = ring
+        # which algorithm buckets above small_bytes take: the ring, or halving-doubling ([collective] algorithm)
+        self.log.info("ring_ready", generation=ring.generation, rank=ring.rank, members=ring.size,
+                      large_buckets="halving" if ring.halving else "ring")
         self.ring_changed.set()
         return ring
 

@@ -585,52 +585,45 @@ def test_stale_generation_is_refused_by_a_real_member(members):
     _run_cases(members, 2, [("float32", 70000, 0, 3)])
 
 
+KILL_TIMEOUT_S = 1.5
+
+
+def _kill_mid_op(members: Members, size: int, victim: int) -> list[tuple[str, str, int | None, dict]]:
+    """A ring of ``size`` (timeout KILL_TIMEOUT_S) runs one op in which ``victim`` dies (SIGKILL) after
+    consuming 3 pieces; the others' (outcome, exception name, member named, stats), within the bound."""
+    members.form(size, piece_bytes=64, small_bytes=0, timeout_s=KILL_TIMEOUT_S)
+    members.ask([victim], ("kill_after", 3))
+    case = [("float32", 3000, 0, size)]
+    for i in range(size):
+        members.conns[i].send(("reduce", case, False))
+    t0 = time.monotonic()
+    survivors = [i for i in range(size) if i != victim]
+    replies = [members._recv(i, 30) for i in survivors]
+    took = time.monotonic() - t0
+    members.procs[victim].join(timeout=10)
+    assert members.procs[victim].exitcode == -signal.SIGKILL
+    assert took < 2 * KILL_TIMEOUT_S + 3, took
+    return [(outs[0][0], outs[0][1], outs[0][2], stats) for outs, stats, _ in replies]
+
+
 @pytest.mark.cluster
 def test_a_member_killed_mid_op_breaks_halving_doubling_within_the_timeout(members):
     """Four members, halving-doubling: member 3 dies (SIGKILL) after consuming a few pieces of its
     first step. Members 1 and 2, whose partner it is at steps 0 and 1, raise RingBroken naming it
     within about timeout_s; member 0, paired with 2 and 1, fails too (naming 3 from their
     refusals, or the partner it waits for). (Kills member 3: before the ring's kill test.)"""
-    timeout_s = 1.5
-    members.form(4, piece_bytes=64, small_bytes=0, timeout_s=timeout_s)
-    members.ask([3], ("kill_after", 3))
-    case = [("float32", 3000, 0, 2)]
-    for i in range(4):
-        members.conns[i].send(("reduce", case, False))
-    t0 = time.monotonic()
-    replies = [members._recv(i, 30) for i in (0, 1, 2)]
-    took = time.monotonic() - t0
-    members.procs[3].join(timeout=10)
-    assert members.procs[3].exitcode == -signal.SIGKILL
-    named = []
-    for i, (outs, stats, _) in enumerate(replies):
-        kind, name, member, text = outs[0]
-        assert kind == "error" and name == "RingBroken", (i, outs)
-        assert stats["halving_ops"] == 1, stats
-        named.append(member)
+    outs = _kill_mid_op(members, 4, victim=3)
+    assert all(kind == "error" and name == "RingBroken" and st["halving_ops"] == 1 for kind, name, _, st in outs), outs
+    named = [member for _, _, member, _ in outs]
     assert named[1] == 3 and named[2] == 3 and named[0] in (1, 2, 3), named
-    assert took < 2 * timeout_s + 3, took
 
 
 @pytest.mark.cluster
 def test_a_member_killed_mid_op_breaks_the_ring_within_the_timeout(members):
     """Member 2 dies (SIGKILL) after consuming a few pieces of an op: members 0 and 1 raise
     RingBroken naming member 2 within about timeout_s, not a hang. (Last: it kills a member.)"""
-    timeout_s = 1.5
-    members.form(3, piece_bytes=64, small_bytes=0, timeout_s=timeout_s)
-    members.ask([2], ("kill_after", 3))
-    case = [("float32", 3000, 0, 1)]
-    for i in range(3):
-        members.conns[i].send(("reduce", case, False))
-    t0 = time.monotonic()
-    replies = [members._recv(i, 30) for i in (0, 1)]
-    took = time.monotonic() - t0
-    members.procs[2].join(timeout=10)
-    assert members.procs[2].exitcode == -signal.SIGKILL
-    for i, (outs, _, _) in enumerate(replies):
-        kind, name, member, text = outs[0]
-        assert kind == "error" and name == "RingBroken" and member == 2, (i, outs)
-    assert took < 2 * timeout_s + 3, took
+    outs = _kill_mid_op(members, 3, victim=2)
+    assert all(kind == "error" and name == "RingBroken" and member == 2 for kind, name, member, _ in outs), outs
 
 
 # ============================================================================ gradient buckets

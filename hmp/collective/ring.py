@@ -14,12 +14,18 @@ Algorithms (picked per call from the tensor's size, the same way on every member
   copy every summed segment around. Each member sends ``2 (N - 1) / N`` of the tensor's bytes.
   Segments travel in pieces of ``piece_bytes``, pipelined: piece ``j`` of step ``s + 1`` leaves as
   soon as piece ``j`` of step ``s`` was received and reduced, not when the whole segment was.
+* **halving** (recursive halving-doubling, bandwidth-optimal too): with ``N`` a power of two
+  (>= 4), ``log2(N)`` reduce-scatter steps, each between a pair of members that exchange half of
+  what they hold, then ``log2(N)`` mirrored all-gather steps (:class:`HalvingPlan`): the ring's
+  bytes in ``2 log2(N)`` messages per member instead of ``2 (N - 1)``. ``algorithm="auto"`` (the
+  default) takes it only where every member is on this host (CPU per message counts there; across
+  hosts its changing partners share links, where the ring never does).
 * **small** (latency-optimal, one step): when ``nbytes * (N - 1) <= small_bytes`` every member
   sends its whole tensor to every other member, and each sums the ``N`` contributions in rank order.
 
-Both give bit-identical results on every member: in the ring each segment is summed at one place
-in a fixed order and then only copied; in the small algorithm every member adds the same
-contributions in the same (rank) order.
+All give bit-identical results on every member: in the ring and halving-doubling each element is
+summed at one place per step in a fixed order and then only copied; in the small algorithm every
+member adds the same contributions in the same (rank) order.
 
 Zero-copy. A piece is a :class:`~hmp.messages.RingPiece` whose ``values`` is a slice view of the
 tensor (no copy on the way out). On the way in, the codec decodes it as a view over the received
@@ -246,7 +252,7 @@ class _Op:
         self.prior_left = 0
         self.prior_consumed: asyncio.Future = loop.create_future()
         # halving-doubling: pieces applied, per step; pieces of a step still to apply, and woken at 0
-        # (an all-gather step's last piece is answered only then); woken when any piece is applied
+        # (an all-gather step's first piece is answered only then); woken when any piece is applied
         self.applied: set[tuple[int, int]] = set()
         self.step_left: list[int] = []
         self.step_consumed: list[asyncio.Future] = []
@@ -316,10 +322,10 @@ class Ring:
         self.name, self.limits, self.frame_bytes, self.ctx = name, limits, frame_bytes, ctx
         self.piece_bytes, self.small_bytes, self.timeout_s = piece_bytes, small_bytes, timeout_s
         self.window, self.max_ops_ahead, self.stage = window, max_ops_ahead, stage
-        # Halving-doubling, where the members' number allows, wins on one host (no links to share;
-        # CPU per message counts) and loses on a network of per-host links: its partners change
-        # from step to step, so a member a step ahead sends to one that still receives from
-        # another, and two streams share a link (docs/collective.md, "Which algorithm").
+        # Halving-doubling, where the members' number allows, is a little cheaper on one host (no
+        # links to share; CPU per message counts) and loses on a network of per-host links: its
+        # partners change from step to step, so a member a step ahead sends to one that still
+        # receives from another, and two streams share a link (docs/collective.md, "Which algorithm").
         self.halving = (self.size >= 4 and power_of_two(self.size)
                         and (algorithm == "halving" or (algorithm == "auto" and one_host(addresses))))
         self.next, self.prev = (rank + 1) % self.size, (rank - 1) % self.size

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hmp.errors import ProtocolError, RemoteError
-from hmp.messages import Ack, Kind, Params, Push, ShmHello, Tensors
+from hmp.messages import Ack, Kind, ShmHello, Tensors
 from hmp.nodes.forkserver import ForkedProcess, ForkServer
 from hmp.transport import shm
 from hmp.transport.codec import DTYPES, decode, encode

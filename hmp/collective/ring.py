@@ -192,7 +192,6 @@ class HalvingPlan:
             send_segs.append(send)
             keep_segs.append(keep)
             (a, b), d = keep, d // 2
-        levels = len(partners)
         partners += partners[::-1]
         send_segs, recv_segs = send_segs + keep_segs[::-1], keep_segs + send_segs[::-1]
         return cls(members, per_piece, starts, tuple(partners),

@@ -204,7 +204,9 @@ class Node:
     async def heartbeat_loop(self) -> None:
         """Heartbeat the scheduler; stop when it says so, or fail when it has not answered for
         :data:`SCHEDULER_LOST_AFTER` intervals (a dead scheduler is noticed within 3 intervals of its last
-        answer: each heartbeat waits only until that deadline, not a whole timeout of its own)."""
+        answer: each heartbeat waits only until that deadline, not a whole timeout of its own; but at least
+        half an interval, so that a node whose own loop ran late, starved of CPU or busy, and sends its
+        heartbeat just before the deadline does not blame the scheduler for its own delay)."""
         assert self.scheduler is not None
         interval = self.cfg.job.heartbeat_interval_s
         last_ok = time.monotonic()
@@ -213,7 +215,7 @@ class Node:
             try:
                 sent = time.monotonic()
                 reply = await self.scheduler.request(Heartbeat(step=self.step),
-                                                     timeout_s=max(0.1 * interval, deadline - time.monotonic()))
+                                                     timeout_s=max(0.5 * interval, deadline - time.monotonic()))
                 last_ok = time.monotonic()
                 self.heartbeat_last_rtt_s = last_ok - sent
                 self.heartbeat_rtt.observe(last_ok - sent)

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hmp.collective.ring import DEFAULT_PIECE_BYTES  # noqa: E402
+from hmp.collective.ring import DEFAULT_PIECE_BYTES, power_of_two  # noqa: E402
 
 from _stats import (free_port, CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, guard, is_quiet, load_average,  # noqa: E402
                     quantile, ratios, spread, summary)
@@ -101,7 +101,7 @@ ALLOCATORS: dict[str, Callable[[int], torch.Tensor]] = {"plain": _alloc_plain, "
 
 def _halving_applies(procs: int) -> bool:
     """Whether hmp picks halving-doubling for ``procs`` members on one host (a power of two, at least 4)."""
-    return procs >= 4 and procs & (procs - 1) == 0
+    return procs >= 4 and power_of_two(procs)
 
 
 def peer_specs(piece_bytes: int, window: int | None) -> list[PeerSpec]:

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 CONFIG ?= conf/local.toml
 
-.PHONY: setup run test bench docs clean
+.PHONY: setup run test test-unit bench docs clean
 
 # Idempotent: creates .venv once; installs the pinned CPU torch only when the
 # environment has none (an unpinned torch would pull GBs of CUDA wheels).
@@ -23,6 +23,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The pure tier alone (no sockets, threads or processes): under a minute.
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
 
 bench: setup
 	$(PY) bench/transport.py

@@ -1,16 +1,29 @@
-"""Shared fixtures: uvloop for async tests, loopback addresses, no leaked sockets."""
+"""Shared fixtures and the tiers: each test's folder (unit, transport, cluster) is its marker."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import uvloop
 
 torch.set_num_threads(1)  # the test process shares 2 cores with the daemons it starts
+
+TESTS = Path(__file__).parent
+TIERS = ("unit", "transport", "cluster")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier, read from its folder, so `-m unit` and `tests/unit` select the same."""
+    for item in items:
+        tier = Path(item.fspath).relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/transport or tests/cluster")
+        item.add_marker(tier)
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -30,7 +43,6 @@ def ipc_address():
     d = tempfile.mkdtemp(prefix="hmp-")
     path = os.path.join(d, f"{uuid.uuid4().hex[:8]}.sock")
     yield f"ipc://{path}"
-    for p in (path,):
-        if os.path.exists(p):
-            os.unlink(p)
+    if os.path.exists(path):
+        os.unlink(path)
     os.rmdir(d)

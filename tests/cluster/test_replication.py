@@ -28,13 +28,13 @@ from hmp.ps.shard_core import ShardCore
 from hmp.ps.sharding import initial_replicas, next_backup
 from hmp.scheduler.core import Admitted, ReplicasChanged
 
-from .cluster_util import write_config
-from .test_checkpoint import _as, _running
-from .test_scheduler_core import _running as _running_core
-from .test_shard_restart import HB_JOB, _Daemons, _until
+from tests.cluster_util import write_config
+from tests.cluster.test_checkpoint import _as, _running
+from tests.unit.test_scheduler_core import _running as _running_core
+from tests.cluster.test_shard_restart import HB_JOB, _Daemons, _until
 
 ADAM = 'name = "adam"\nlr = 0.01'
-SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "report.schema.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "docs" / "report.schema.json"
 SGD = 'name = "sgd"\nlr = 0.01'
 
 

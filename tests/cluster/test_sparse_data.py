@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 THIS_FILE = Path(__file__).resolve()
-ROOT = THIS_FILE.parents[1]
+ROOT = THIS_FILE.parents[2]
 LAUNCH = str(Path(sys.executable).parent / "hmp-launch")
 
 

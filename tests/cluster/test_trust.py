@@ -20,7 +20,7 @@ from hmp.job import load
 from hmp.messages import Ack, Heartbeat, Kind, Shutdown, Status
 from hmp.transport.endpoint import Client, Server
 
-from .cluster_util import write_config
+from tests.cluster_util import write_config
 
 TOKEN = "a" * 32
 

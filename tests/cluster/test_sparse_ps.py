@@ -28,10 +28,10 @@ from hmp.messages import Pull, Push, Replicas
 from hmp.nodes.ps_shard import PSShardNode
 from hmp.ps.sharding import initial_replicas
 
-from .cluster_util import free_port
-from .test_checkpoint import _as, _running
-from .test_replication import _assert_identical
-from .test_shard_node import _serving
+from tests.cluster_util import free_port
+from tests.cluster.test_checkpoint import _as, _running
+from tests.cluster.test_replication import _assert_identical
+from tests.transport.test_shard_node import _serving
 
 FIELDS, BUCKETS, DIM = 4, 50, 8
 TABLE = "0.table.weight"

@@ -24,10 +24,10 @@ import torch
 from hmp.ps.shard_core import ShardCore
 from hmp.scheduler.core import Admitted, JobFailed, ShardsChanged
 
-from .cluster_util import write_config
-from .test_scheduler_core import HB, _running
+from tests.cluster_util import write_config
+from tests.unit.test_scheduler_core import HB, _running
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- the shard core
@@ -298,7 +298,7 @@ async def test_a_retry_of_a_push_still_waiting_in_the_shard_is_applied_once(tmp_
     from hmp.messages import Push
     from hmp.nodes.ps_shard import PSShardNode
 
-    from .test_checkpoint import _as, _config, _grads, _running
+    from tests.cluster.test_checkpoint import _as, _config, _grads, _running
 
     node = PSShardNode(load(_config(tmp_path, consistency=consistency, extra_train="staleness = 0")), "ps0")
     keys, grads = _grads(node)

@@ -26,9 +26,9 @@ from hmp.metrics import snapshot, url_file
 from hmp.nodes.base import Node
 from hmp.transport.endpoint import process_metrics
 
-from .cluster_util import free_port, write_config
+from tests.cluster_util import free_port, write_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _with_metrics(path: Path, port: int = 0) -> Path:

@@ -201,7 +201,7 @@ async def test_a_pipeline_job_reports_its_calibrated_prediction(tmp_path):
     and the measurements, and the scaled accel type gets a compute scale from its real worker."""
     from hmp.cluster import LocalCluster
 
-    from .test_pipeline import pipeline_config
+    from tests.cluster.test_pipeline import pipeline_config
 
     # long enough that a quiet machine still runs a plan past the calibration minimum (8 steps, 1 s)
     async with LocalCluster(pipeline_config(tmp_path, epochs=8)) as cluster:

@@ -25,7 +25,7 @@ from hmp.batching.hogbatch import (
 from hmp.batching.simulator import SimWorker, simulate
 from hmp.job import load
 
-from .cluster_util import write_config
+from tests.cluster_util import write_config
 
 CPU_GPU = [("c0", "cpu"), ("g0", "gpu")]
 TEN_X = {"c0": SimWorker("cpu", 1000.0), "g0": SimWorker("gpu", 10_000.0)}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .cluster_util import write_config
+from tests.cluster_util import write_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.cluster

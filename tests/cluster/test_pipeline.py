@@ -21,7 +21,7 @@ from hmp.placement.problem import NOT_MEASURED
 from hmp.placement.profiler import param_layers, split_layers
 from hmp.placement.registry import problem_from_config
 
-from .cluster_util import free_port
+from tests.cluster_util import free_port
 
 CLICK = (click_model, dict(fields=4, buckets=50, dim=8, hidden=(32, 16)), lambda n: torch.randint(0, 50, (n, 4)))
 MLP = (deep_mlp, dict(in_features=12, width=24, depth=4, classes=5), lambda n: torch.randn(n, 12))

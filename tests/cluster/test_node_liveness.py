@@ -14,7 +14,7 @@ from hmp.cluster import JobFailed, LocalCluster
 from hmp.job import load
 from hmp.nodes.base import Node
 
-from .cluster_util import free_port, write_config
+from tests.cluster_util import free_port, write_config
 
 
 class _Probe(Node):

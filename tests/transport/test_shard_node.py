@@ -22,7 +22,7 @@ from hmp.nodes.ps_shard import PSShardNode
 from hmp.ps.shard_core import ShardCore
 from hmp.transport.endpoint import Client, Server
 
-from .cluster_util import write_config
+from tests.cluster_util import write_config
 
 
 def _node(tmp_path, limits: str = "", chunk_bytes: int = 0, **config) -> PSShardNode:

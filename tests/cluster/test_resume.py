@@ -19,10 +19,10 @@ from hmp.errors import ConfigError
 from hmp.nodes.scheduler import SchedulerNode
 from hmp.scheduler.core import SchedulerCore
 
-from .cluster_util import write_config
-from .test_replication import check_sections
-from .test_scheduler_core import _cfg, _running
-from .test_shard_restart import _Daemons
+from tests.cluster_util import write_config
+from tests.cluster.test_replication import check_sections
+from tests.unit.test_scheduler_core import _cfg, _running
+from tests.cluster.test_shard_restart import _Daemons
 
 
 def test_a_resumed_core_goes_on_from_the_saved_cursor_counters_and_report():

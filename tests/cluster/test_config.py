@@ -13,7 +13,7 @@ from hmp.config.reference import reference
 from hmp.job import load, loads
 from hmp.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GOOD = """
 [train]
@@ -186,7 +186,7 @@ def test_placement_message_overhead_default_is_the_planners():
 
 
 def _mutated(tmp_path, edit) -> Path:
-    from .cluster_util import write_config
+    from tests.cluster_util import write_config
 
     base = write_config(tmp_path)
     path = tmp_path / "bad.toml"
@@ -231,7 +231,7 @@ def test_bad_values_are_config_errors_naming_file_and_key(tmp_path, edit, key):
 
 
 def test_environment_overrides_are_validated_and_named(tmp_path):
-    from .cluster_util import write_config
+    from tests.cluster_util import write_config
 
     cfg = load(write_config(tmp_path))
     for var, value, key in (("HMP_MAX_SECONDS", "-5", "train.max_seconds"),

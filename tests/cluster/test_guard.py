@@ -207,6 +207,6 @@ def test_a_server_gives_the_memory_of_a_refused_large_message_back_by_itself():
 
 def _refuse_and_release(who: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", _REFUSE_AND_RELEASE, who], capture_output=True, text=True,
-                         timeout=120, cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+                         timeout=120, cwd=str(pathlib.Path(__file__).resolve().parents[2]))
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.splitlines()[-1].split()  # (log lines go first)

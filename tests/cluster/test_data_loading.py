@@ -170,7 +170,7 @@ async def test_pipeline_stage_workers_load_training_rows_only_for_stage_0(tmp_pa
     """The click pipeline (embeddings on the cpu workers, the MLP on the accel worker): the stage-0 workers load
     the training split when assigned stage 0; the last stage's worker only the test set (its labels come with the
     activations)."""
-    from tests.test_pipeline import pipeline_config
+    from tests.cluster.test_pipeline import pipeline_config
 
     cfg = pipeline_config(tmp_path, epochs=1, samples=8000)
     async with LocalCluster(cfg) as cluster:

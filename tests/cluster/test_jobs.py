@@ -184,8 +184,8 @@ def test_a_placed_job_becomes_a_topology_with_one_worker_per_slot():
 
 def test_shipped_job_files_and_hosts_file_load():
     for f in ("conf/jobs/digits_small.toml", "conf/jobs/mlp_wide.toml"):
-        load_job(Path(__file__).parent.parent / f)
-    specs, _ = load_hosts(Path(__file__).parent.parent / "conf/hosts4x2.toml")
+        load_job(Path(__file__).parents[2] / f)
+    specs, _ = load_hosts(Path(__file__).parents[2] / "conf/hosts4x2.toml")
     assert [s.slots for s in specs] == [2, 2, 2, 2]
 
 

@@ -31,9 +31,9 @@ from hmp.nodes.ps_shard import PSShardNode
 from hmp.ps.shard_core import CheckpointError, ShardCore, previous_checkpoint
 from hmp.transport.endpoint import Client
 
-from .cluster_util import write_config
+from tests.cluster_util import write_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

@@ -17,9 +17,9 @@ from hmp.ps.schedule import lr_at
 from hmp.train.evaluate import evaluate
 from hmp.train.stop_rule import TargetConfirmation, target_reason
 
-from .cluster_util import digits_job_text, free_port, write_config
+from tests.cluster_util import digits_job_text, free_port, write_config
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 SCHEMA = json.loads((DOCS / "report.schema.json").read_text())
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 

@@ -303,7 +303,7 @@ def test_tune_malloc_lets_large_frames_reuse_memory():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("tune_malloc acts on glibc only")
     out = subprocess.run([sys.executable, "-c", _FAULT_PROBE, "tuned"], capture_output=True, text=True, timeout=60,
-                         cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+                         cwd=str(pathlib.Path(__file__).resolve().parents[2]))
     assert out.returncode == 0, out.stderr
     applied, faults = out.stdout.split()
     assert applied == "True"

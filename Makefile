@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 CONFIG ?= conf/local.toml
 
-.PHONY: setup run test test-unit bench docs clean
+.PHONY: setup run test test-unit bench docs docs-figures clean
 
 # Idempotent: creates .venv once; installs the pinned CPU torch only when the
 # environment has none (an unpinned torch would pull GBs of CUDA wheels).
@@ -38,9 +38,14 @@ bench: setup
 	$(PY) bench/placement.py
 	$(PY) bench/pipeline.py
 
-# Regenerate the README's configuration reference from hmp/config.py.
+# Regenerate docs/config.md's configuration reference from hmp/config/schema.py.
 docs: setup
-	$(PY) -m hmp.config.reference --update README.md
+	$(PY) -m hmp.config.reference --update docs/config.md
+
+# Redraw the figures the docs show (benchmarks otherwise write into runs/bench/; the real GADGET replay needs root).
+docs-figures: setup
+	$(PY) bench/gadget.py --out docs
+	$(PY) bench/hogbatch.py --out docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from _stats import run_folder  # noqa: E402  (bench/_stats.py)
 from hmp import log as hmp_log  # noqa: E402
 from hmp.emulate import EmulatedHosts, EmulationUnavailable, load_hosts  # noqa: E402
 from hmp.gadget.interface import PendingJob, Placement  # noqa: E402
@@ -377,11 +378,12 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
              f"(no shared compute, fair shares) {err_plain:.3f}; GADGET's probe fit on the replays {err_probe_fit:.3f} "
              f"(plain {err_plain_probe:.3f})")
         g, b = _summary(runs["gadget"]), _summary(runs[best])
-        if args.real_plot:
-            _plot_cdfs({"gadget": g["jct_s"], best: b["jct_s"]}, args.real_plot,
+        if not args.no_plot:
+            args.out = run_folder("gadget-real", args.out)
+            _plot_cdfs({"gadget": g["jct_s"], best: b["jct_s"]}, args.out / "gadget_real_jct_cdf.png",
                        f"{len(jobs)} ITP jobs replayed on {len(specs)} emulated hosts x {specs[0].slots} slots, "
                        f"{specs[0].bandwidth_mbit:g} Mbit/s")
-            _say(f"CDF plot: {args.real_plot}")
+            _say(f"CDF plot: {args.out / 'gadget_real_jct_cdf.png'}")
         return {
             "hosts": str(HOSTS.relative_to(ROOT)), "slots": [s.slots for s in specs],
             "mbit": specs[0].bandwidth_mbit, "trace": str(args.trace or TRACE),
@@ -404,7 +406,7 @@ async def _part_b(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _plot_cdfs(jcts: dict[str, list[float]], path: str, title: str) -> None:
+def _plot_cdfs(jcts: dict[str, list[float]], path: Path, title: str) -> None:
     """The measured job completion times' CDFs, one step line per scheduler."""
     import matplotlib
 
@@ -440,8 +442,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--real-start", type=int, default=1000, help="index of the slice's first job in the trace")
     ap.add_argument("--real-arrive-s", type=float, default=40.0, help="seconds the slice's arrivals are compressed to")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model/utility assignment and of `random`")
-    ap.add_argument("--real-plot", default=str(ROOT / "docs" / "gadget_real_jct_cdf.png"),
-                    help="where the replay's completion-time CDFs go ('' for none)")
+    ap.add_argument("--out", default=None, help="folder for the completion-time CDFs (default runs/bench/gadget-real-<timestamp>/)")
+    ap.add_argument("--no-plot", action="store_true", help="draw no plot")
     return ap
 
 

@@ -16,6 +16,7 @@ import socket
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -24,6 +25,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_folder(name: str, out: str | Path | None) -> Path:
+    """Where a benchmark writes its files (created): ``out``, else ``runs/bench/<name>-<timestamp>/``, so that a
+    run changes no tracked file unless asked to (``--out docs`` redraws the docs' figures)."""
+    folder = Path(out or Path(__file__).resolve().parents[1] / "runs" / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def quantile(xs: Sequence[float], q: float) -> float:

@@ -14,7 +14,7 @@
 - every scheduler but ``optimal`` replays the jobs: total utility, mean / p50 / p99 completion time,
   makespan, utilization, mean queueing delay; ``utility_vs_best_baseline`` = GADGET's total utility over
   the best baseline's, summed over ``--seeds`` draws of the synthetic assignment (default 3; target >= 1.1),
-  with each draw's ratio as the spread; the completion-time CDFs (first draw) go to docs/gadget_jct_cdf.png;
+  with each draw's ratio as the spread; the completion-time CDFs (first draw) go to gadget_jct_cdf.png in the run folder;
 - ``gap_vs_optimal``: on ``--instances`` small random rounds (hmp.gadget.instances), 1 - GADGET's round
   value / the exact optimum's; worst and mean, for one host (the regime of the proved bound: gap <= 0.5)
   and for 2-3 hosts with running rings sharing links (no bound proved; measured).
@@ -23,8 +23,9 @@
 ``part_b(args) -> dict`` replays a short slice for real; its figures (``real_utility_vs_best_baseline``,
 ``model_error``) are merged under ``real``. ``--skip-real`` skips it.
 
-Run: ``python bench/gadget.py [--json] [--trace PATH] [--jobs N] [--load L] [--skip-real]``; progress goes
-to stderr; with --json the last stdout line is one JSON object.
+Run: ``python bench/gadget.py [--json] [--trace PATH] [--jobs N] [--load L] [--skip-real] [--out DIR] [--no-plot]``;
+progress goes to stderr; with --json the last stdout line is one JSON object. The plots go to ``--out``
+(default ``runs/bench/gadget-<timestamp>/``, printed at the end); ``--out docs`` redraws the docs' figures.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 
+from _stats import run_folder  # noqa: E402  (bench/_stats.py)
 from hmp.gadget.fit import fit_throughput  # noqa: E402
 from hmp.gadget.instances import compare_round, random_round  # noqa: E402
 from hmp.gadget.jobs import jobs_from_trace, read_trace  # noqa: E402
@@ -51,7 +53,6 @@ from hmp.gadget.schedulers import SCHEDULERS, make_scheduler  # noqa: E402
 from hmp.gadget.simulate import SimulationResult, simulate  # noqa: E402
 
 DEFAULT_TRACE = os.path.join(ROOT, "data", "traces", "itp_cluster04_busiest5000.csv")
-DEFAULT_PLOT = os.path.join(ROOT, "docs", "gadget_jct_cdf.png")
 SLOTS_PER_HOST = 4
 BASELINES = tuple(n for n in SCHEDULERS if n not in ("gadget", "optimal"))
 TARGETS = {"utility_vs_best_baseline": 1.1, "gap_vs_optimal_one_host_worst": 0.5}
@@ -96,7 +97,7 @@ def summary(r: SimulationResult) -> dict:
     }
 
 
-def plot_cdfs(results: dict[str, SimulationResult], path: str, title: str) -> None:
+def plot_cdfs(results: dict[str, SimulationResult], path: os.PathLike, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,11 +171,11 @@ def part_a(args) -> dict:
     ratio = totals["gadget"] / totals[best_baseline]
     seed_ratios = {s: round(per_seed[s]["gadget"].total_utility
                             / max(per_seed[s][n].total_utility for n in BASELINES), 4) for s in seeds}
-    if args.plot:
-        plot_cdfs(results, args.plot, f"{os.path.basename(args.trace)}: {sizing.jobs} jobs, {sizing.hosts} hosts x "
+    if not args.no_plot:
+        args.out = run_folder("gadget", args.out)
+        plot_cdfs(results, args.out / "gadget_jct_cdf.png", f"{os.path.basename(args.trace)}: {sizing.jobs} jobs, {sizing.hosts} hosts x "
                                       f"{SLOTS_PER_HOST} slots (load {args.load})\nmodel types and utilities synthetic "
                                       f"(seed {args.seed}); cost model fitted to Pollux step times")
-        log(f"CDF plot: {args.plot}")
     log(f"GADGET vs the exact optimum on {args.instances} small rounds per regime ...")
     gaps = gap_vs_optimal(fit, args.instances, args.seed)
     return {
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, default=3, help="draws of that assignment (seed, seed+1, ...; default 3)")
     p.add_argument("--instances", type=int, default=40, help="small random rounds per regime for gap_vs_optimal")
     p.add_argument("--check-every", type=int, default=50, help="full slot recount every N events (0: never)")
-    p.add_argument("--plot", default=DEFAULT_PLOT, help="CDF plot path ('' for none)")
+    p.add_argument("--out", default=None, help="folder for the plots (default runs/bench/gadget-<timestamp>/)")
+    p.add_argument("--no-plot", action="store_true", help="draw no plots")
     p.add_argument("--skip-real", action="store_true", help="skip part (b), the real replay")
     args = p.parse_args(argv)
     if args.jobs == 0:
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     if real is not None:
         report["real"] = real
     report["targets"] = TARGETS
+    if args.out:
+        log(f"plots in {args.out}")
     a = report["part_a"]
     if not args.json:
         print(f"{'scheduler':<10} {'utility':>9} {'jct mean h':>10} {'p99 h':>8} {'makespan h':>10} {'util':>6}")

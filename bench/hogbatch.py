@@ -15,13 +15,13 @@ over all of them. Time to target is the scheduler's clock (0 = the first worker 
 that carries a test loss at or below the target; a run that stops at ``max_seconds`` first counts as not
 reached (its time is then ``max_seconds``, a lower bound).
 
-    python bench/hogbatch.py [--json] [--quick] [--repeats N] [--datasets digits,sparse] [--plot PATH]
+    python bench/hogbatch.py [--json] [--quick] [--repeats N] [--datasets digits,sparse] [--out DIR] [--no-plot]
 
 Prints a table; with ``--json`` the last line is one JSON object: per dataset and policy the median time to
 target, whether every repeat reached it, median final test accuracy (PS parameters after the stop), the CPU
 worker's share of updates and each worker's utilization (busy fraction) and samples/s; per dataset
 ``speedup_adaptive_vs_sync`` and ``speedup_adaptive_vs_hogbatch`` (ratios of median times). The plot
-(``docs/hogbatch_loss.png`` by default) shows test loss against wall time, one line per policy (its median
+(``hogbatch_loss.png`` in ``--out``, default ``runs/bench/hogbatch-<timestamp>/``; ``--out docs`` redraws the docs') shows test loss against wall time, one line per policy (its median
 run), one panel per dataset.
 """
 
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import free_port  # noqa: E402  (bench/_stats.py)
+from _stats import free_port, run_folder  # noqa: E402  (bench/_stats.py)
 
 from hmp.config import BatchPolicyKind as Policy, Consistency  # noqa: E402  (after the path set-up)
 
@@ -259,7 +259,6 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], targets: dict[str, float
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
@@ -271,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3, help="runs per dataset and policy (medians are reported)")
     ap.add_argument("--datasets", default="digits,sparse", help="comma-separated: digits, sparse")
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated: {', '.join(POLICIES)}")
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "hogbatch_loss.png"), help="where the PNG goes ('' for none)")
+    ap.add_argument("--out", default=None, help="folder for the plot (default runs/bench/hogbatch-<timestamp>/)")
+    ap.add_argument("--no-plot", action="store_true", help="draw no plot")
     ap.add_argument("--set", action="append", default=[], metavar="DATASET.FIELD=VALUE",
                     help="override a Workload setting for every policy, e.g. --set sparse.gpu_batch=1024")
     ap.add_argument("--runs-dir", default="", help="keep every run's folder (config, report, logs) here")
@@ -319,9 +319,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     entry[f"speedup_adaptive_vs_{base}"] = t[base] / t[Policy.ADAPTIVE]
         out["datasets"][name] = entry
     out["wall_s"] = time.monotonic() - t_start
-    if args.plot:
-        plot(results, targets, Path(args.plot))
-        out["plot"] = args.plot
+    if not args.no_plot:
+        out["plot"] = str(run_folder("hogbatch", args.out) / "hogbatch_loss.png")
+        plot(results, targets, Path(out["plot"]))
+        print(f"plot: {out['plot']}", file=sys.stderr)
     print_table(out)
     if args.json:
         print(json.dumps(out))

@@ -60,6 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _stats import (free_port, guard, CpuMeter, ProcessGroup, alternate, cpu_line, fmt_spread, is_quiet, load_average, quantile,  # noqa: E402
                     ratios, spread, summary)
+import train  # noqa: E402 - part (b), end-to-end training
+from train import REPLY_TIMEOUT_S  # noqa: E402
 
 MiB = 1 << 20
 # deep_mlp with depth 0 is one Linear(4095, 1024): 4095 * 1024 weights + 1024 biases = 4 Mi float32,
@@ -69,8 +71,6 @@ PUSH_NUMEL = 4095 * 1024 + 1024
 # Data the push model fits (the config loader checks it); only the scheduler loads it, and nothing trains on it.
 PUSH_DATA = 'kind = "synthetic"\nargs = { n = 256, n_features = 4095, num_classes = 1024 }'
 WORKERS = ("w0", "w1")
-REPLY_TIMEOUT_S = 180.0
-
 
 
 def write_config(folder: Path, *, consistency: str, model: str, model_args: dict[str, Any], chunk_bytes: int,
@@ -141,13 +141,6 @@ def cpu_seconds(pids: list[int]) -> float | None:
     except OSError:
         return None
     return total / tick
-
-
-class Peer(ProcessGroup):
-    """A pair of worker processes driven block by block over pipes, all started at once."""
-
-    def __init__(self, name: str, target: Any, args_of: Any) -> None:
-        super().__init__(name, target, args_of, size=2, timeout_s=REPLY_TIMEOUT_S)
 
 
 class Daemons:
@@ -275,7 +268,7 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
     from hmp.config import load
 
     daemons: dict[str, Daemons] = {}
-    peers: dict[str, Peer] = {}
+    peers: dict[str, ProcessGroup] = {}
     t0 = time.perf_counter()
     # peer -> (consistency, shared memory, replicas); listed in block order
     replicated = replicated and "async" in modes
@@ -286,7 +279,7 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
     order = [n for n in ps_peers if not ps_peers[n][1]] + ["gloo"] + [n for n in ps_peers if ps_peers[n][1]]
     try:
         port = free_port()
-        peers["gloo"] = Peer("gloo", _gloo_worker, lambda r: (r, port, PUSH_NUMEL))
+        peers["gloo"] = ProcessGroup("gloo", _gloo_worker, lambda r: (r, port, PUSH_NUMEL), timeout_s=REPLY_TIMEOUT_S)
         for name, (mode, use_shm, replicas) in ps_peers.items():
             folder = tmp / f"push-{name}"
             folder.mkdir()
@@ -299,7 +292,8 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
             shards = [(s.id, s.bind) for s in cfg.shards]
             daemons[name] = Daemons(cfg_path, [("scheduler", "scheduler"), ("ps", "ps0"), ("ps", "ps1")],
                                     folder / "logs")
-            peers[name] = Peer(name, _ps_worker, lambda r, c=str(cfg_path), s=shards: (c, WORKERS[r], s))
+            peers[name] = ProcessGroup(name, _ps_worker, lambda r, c=str(cfg_path), s=shards: (c, WORKERS[r], s),
+                                       timeout_s=REPLY_TIMEOUT_S)
         for p in peers.values():
             p.ready()
         for p in peers.values():  # warm-up of every peer before anything is timed
@@ -353,16 +347,9 @@ def bench_push(blocks: int, rounds: int, warm: int, modes: list[str], tmp: Path,
     return res
 
 
-# ----------------------------------------------------------------------------- (b) end-to-end training
-#
-# In bench/train.py (it uses Peer from here): imported in main(), since it imports this module.
-
-
 # ----------------------------------------------------------------------------- main
 
 def main() -> None:
-    import train  # (b); here, not at the top: it imports this module
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -396,7 +383,7 @@ def main() -> None:
     res["cpu_during_run"] = meter.stop()
     res["quiet"] = is_quiet(res["cpu_during_run"])
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    report(res, train)
+    report(res)
     if args.json:
         flat = {**res.get("push", {}), **res.get("train", {}),
                 **{k: res[k] for k in ("load_avg_before", "load_avg_after", "cpu_during_run", "quiet", "wall_s")}}
@@ -406,7 +393,7 @@ def main() -> None:
         print(json.dumps(flat))
 
 
-def report(res: dict[str, Any], train: Any) -> None:
+def report(res: dict[str, Any]) -> None:
     if "push" in res:
         p = res["push"]
         print(f"(a) 2 workers x {p['push_bytes'] / MiB:.0f} MiB per round; {p['blocks']} cycles of one block per "

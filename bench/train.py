@@ -74,8 +74,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _stats import CpuMeter, cpu_line, fmt_spread, free_port, guard, is_quiet, load_average, quantile, spread  # noqa: E402
-from ps import REPLY_TIMEOUT_S, Peer  # noqa: E402
+from _stats import (CpuMeter, ProcessGroup, cpu_line, fmt_spread, free_port, guard, is_quiet, load_average, quantile,  # noqa: E402
+                    spread)
 
 # hmp modes: [train] consistency and how many PS shards the job has. A mode whose consistency the
 # config does not accept yet fails at once, with the config's error, before anything starts.
@@ -86,6 +86,7 @@ MODES: dict[str, dict[str, Any]] = {
     "allreduce": {"consistency": "allreduce", "shards": 0},  # ring all-reduce among the workers
 }
 WORKERS = 2
+REPLY_TIMEOUT_S = 180.0  # a worker process's answer to one command, and gloo's timeout (bench/ps.py too)
 REPORT_S = 0.25  # report cadence of both sides: the resolution of every time here
 WARM_S = 3.0  # seconds after the start of training left out of samples/s
 
@@ -286,12 +287,12 @@ def _ddp_worker(rank: int, port: int, w: Workload, conn: Any, barrier: Any) -> N
     guard(conn, body)
 
 
-class DDPPeer(Peer):
+class DDPPeer(ProcessGroup):
     """The DDP processes, up for the whole benchmark; ``run()`` trains the workload once from scratch."""
 
     def __init__(self, w: Workload) -> None:
         port = free_port()
-        super().__init__("ddp", _ddp_worker, lambda r: (r, port, w))
+        super().__init__("ddp", _ddp_worker, lambda r: (r, port, w), timeout_s=REPLY_TIMEOUT_S)
         self.w = w
 
     def warm_up(self) -> None:

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from hmp import job
 from hmp.config import Config
 from hmp.messages import Leave, Message, Params, Pull, Push
 from hmp.ps.sharding import ShardedModel
@@ -118,6 +117,8 @@ class PSClient:
         ``key_dir`` (a missing key file is a ConfigError naming it)."""
         if security is None and sec.process_security() is None:
             security = sec.from_config(cfg, name, serve=False) or False
+        from hmp import job  # the job's assembly: only a client built from a config needs it
+
         return cls(job.sharded_model(cfg, device), shards, name=name, cfg=cfg,
                    timeout_s=cfg.limits.request_timeout_s, security=security)
 
@@ -326,6 +327,8 @@ class PSClient:
         if dataset is None:
             if self.cfg is None:
                 raise ValueError("evaluate() needs a dataset when the client was built without a config")
+            from hmp import job  # the job's assembly: only for the config's own dataset
+
             dataset = job.dataset(self.cfg)
         if self.sharded.array is not None:
             return evaluate_sweep(self.sharded.array, dataset.x_test, dataset.y_test)

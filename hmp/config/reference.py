@@ -1,7 +1,7 @@
-"""The README's configuration reference, generated from the config dataclasses' help texts.
+"""The configuration reference (docs/config.md), generated from the config dataclasses' help texts.
 
-``python -m hmp.config.reference --update README.md`` rewrites it; ``tests/test_readme.py`` checks
-that it is current.
+``python -m hmp.config.reference --update`` (``make docs``) rewrites it; ``tests/test_readme.py``
+checks that it is current.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hmp.config.schema import SECTIONS, NodeConfig
 
 
 def reference() -> str:
-    """The config reference as Markdown (README section), generated from the dataclasses."""
+    """The config reference as Markdown (docs/config.md's tables), generated from the dataclasses."""
     out = []
     for name, cls in [*SECTIONS.items(), ("nodes", NodeConfig)]:
         out.append(f"### `[{name}]`" if name != "nodes" else "### `[[nodes]]` (one table per daemon)")
@@ -27,8 +27,8 @@ def reference() -> str:
     return "\n".join(out)
 
 
-def update_readme(path: str | Path) -> None:
-    """Rewrite the generated configuration reference between the README's config-reference markers."""
+def update(path: str | Path = "docs/config.md") -> None:
+    """Rewrite the generated configuration reference between ``path``'s config-reference markers."""
     p = Path(path)
     text, n = re.subn(r"(<!-- config-reference:[^\n]*-->\n).*?(<!-- end config-reference -->)",
                       lambda m: m.group(1) + reference().strip() + "\n" + m.group(2), p.read_text(), flags=re.S)
@@ -37,10 +37,10 @@ def update_readme(path: str | Path) -> None:
     p.write_text(text)
 
 
-if __name__ == "__main__":  # python -m hmp.config.reference [--update README.md]: the README's configuration reference
+if __name__ == "__main__":  # python -m hmp.config.reference [--update [docs/config.md]]
     import sys
 
     if sys.argv[1:2] == ["--update"]:
-        update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+        update(*sys.argv[2:3])
     else:
         print(reference())

@@ -2,7 +2,7 @@
 
 The one place config is read. Every error names the file, the key and what was expected
 (:class:`~hmp.errors.ConfigError`). Environment overrides are read in :func:`env_overrides` only
-and listed in the README's config reference.
+and listed in docs/config.md.
 
 Types and ranges are checked by hand, not by pydantic (evaluated for issue 10): the checks here are
 a few dozen lines, pydantic would move the ranges into ``Field`` constraints but need a table that

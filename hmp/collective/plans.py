@@ -66,6 +66,10 @@ class RingLayout:
     def reduces(self, step: int) -> bool:
         return step < self.size - 1
 
+    def final(self, step: int) -> bool:
+        """Whether what arrives at ``step`` is summed in full (the last reduce-scatter step on)."""
+        return step >= self.size - 2
+
     def region(self, segment: int, piece: int) -> Span:
         lo = self.starts[segment] + piece * self.per_piece
         return lo, min(lo + self.per_piece, self.starts[segment + 1])
@@ -152,6 +156,13 @@ class HalvingSteps:
     def levels(self) -> int:
         """Reduce-scatter steps (``log2(size)``); the all-gather has as many."""
         return len(self.partners) // 2
+
+    def reduces(self, step: int) -> bool:
+        return step < self.levels
+
+    def final(self, step: int) -> bool:
+        """Whether what arrives at ``step`` is summed in full (the last reduce-scatter step on)."""
+        return step >= self.levels - 1
 
     def count(self, span: Span) -> int:
         return -(-(span[1] - span[0]) // self.per_piece)

@@ -1,59 +1,10 @@
-"""Ring all-reduce over hmp's transport (docs/collective.md has the whole story and the figures).
-
-One :class:`Ring` is one member's place in a ring of ``N`` processes, all running the same
-sequence of :meth:`Ring.all_reduce` calls (``op`` numbers they agree on). Every member owns a
-:class:`~hmp.transport.endpoint.Server` (the caller's: a daemon's) and routes :data:`Kind.RING
-<hmp.messages.Kind>` to :meth:`Ring.on_piece` (or to a :class:`RingHost`, which follows ring
-generations); the ring opens its own :class:`~hmp.transport.endpoint.Client` s to the members it
-sends to.
-
-Algorithms (picked per call from the tensor's size, the same way on every member):
-
-* **ring** (bandwidth-optimal): the tensor is cut into ``N`` segments; ``N - 1`` reduce-scatter
-  steps leave segment ``(r + 1) % N`` fully summed on member ``r``, ``N - 1`` all-gather steps
-  copy every summed segment around. Each member sends ``2 (N - 1) / N`` of the tensor's bytes.
-  Segments travel in pieces of ``piece_bytes``, pipelined: piece ``j`` of step ``s + 1`` leaves as
-  soon as piece ``j`` of step ``s`` was received and reduced, not when the whole segment was.
-* **halving** (recursive halving-doubling, bandwidth-optimal too): with ``N`` a power of two
-  (>= 4), ``log2(N)`` reduce-scatter steps, each between a pair of members that exchange half of
-  what they hold, then ``log2(N)`` mirrored all-gather steps (:class:`~hmp.collective.plans.HalvingSteps`): the ring's
-  bytes in ``2 log2(N)`` messages per member instead of ``2 (N - 1)``. ``algorithm="auto"`` (the
-  default) takes it only where every member is on this host (CPU per message counts there; across
-  hosts its changing partners share links, where the ring never does).
-* **small** (latency-optimal, one step): when ``nbytes * (N - 1) <= small_bytes`` every member
-  sends its whole tensor to every other member, and each sums the ``N`` contributions in rank order.
-
-All give bit-identical results on every member: in the ring and halving-doubling each element is
-summed at one place per step in a fixed order and then only copied; in the small algorithm every
-member adds the same contributions in the same (rank) order.
-
-Zero-copy. A piece is a :class:`~hmp.messages.RingPiece` whose ``values`` is a slice view of the
-tensor (no copy on the way out). On the way in, the codec decodes it as a view over the received
-frame and the handler reduces straight from it into the destination (``tensor[lo:hi].add_(piece)``,
-``copy_`` in the all-gather): the member's own tensor is the preallocated receive buffer, and the
-only copy of the bytes is the transport's into its frame.
-
-One-way pieces. Pieces of the steps between the first and the last go one-way (no answer to
-encode, send, receive and match); the last step's pieces are requests whose answer
-(:class:`~hmp.messages.Ack`) means "the next member has read every piece of the operation from
-us", so :meth:`Ring.all_reduce` returns only once no member reads our tensor any more (the
-shared-memory transport relies on this: a sender's memory is the message). A region sent one-way
-is written again only after its piece came back around the ring, i.e. after the next member read
-it. Step 0's pieces are requests too (rings of 3 or more), so that a member that never starts or
-dies leaves answers missing that name it. ``window`` set: every piece is a request. A refused
-one-way piece is answered with an error of rid 0 (``RingPiece.refusals_answered``).
-
-Ordering. A member may receive pieces of an operation it has not started (its neighbour is
-ahead): their handlers wait (the request stays unanswered, its frame is the buffer) until
-``all_reduce(op)`` starts here, for at most ``timeout_s``, and for at most ``max_ops_ahead``
-distinct future operations (more: error reply ``too_far_ahead``). Operations must start in
-increasing ``op`` order on each member; several may run at once.
-
-Failures never hang: every wait is bounded by ``timeout_s`` of no progress, after which the
-operation raises :class:`~hmp.collective.errors.RingBroken` naming the member it waits for. Any
-failed operation aborts the ring (the members' tensors no longer agree); so does :meth:`Ring.abort`,
-which the caller uses when it learns that a member is gone. A new ring (a new *generation*) is
-then built; pieces of an older generation get the error reply ``stale_ring``.
+"""Ring all-reduce over hmp's transport. A :class:`Ring` is one rank's place in a ring of
+processes that run the same sequence of :meth:`Ring.all_reduce` calls; each call takes the ring,
+recursive halving-doubling or the one-step small algorithm by the tensor's size, the same way on
+every rank (their step layouts: :mod:`hmp.collective.plans`), for bit-identical sums everywhere.
+Pieces are views of the tensor on both ends, most go one-way, every wait is bounded by
+``timeout_s`` of no progress and a failure names the rank to blame (:class:`RingBroken`);
+:class:`RingHost` routes pieces across ring generations. docs/collective.md has the whole story.
 """
 
 from __future__ import annotations
@@ -124,56 +75,84 @@ def one_host(addresses: Sequence[str]) -> bool:
 
 
 class _Op:
-    """One running all-reduce on this member."""
+    """One running all-reduce on this rank: what every algorithm tracks (subclasses: each one's own)."""
 
-    __slots__ = ("op", "work", "small", "layout", "stage", "loop", "error", "done", "cond", "last_progress",
-                 "seen", "expected", "received", "inflight", "queue", "sends", "pump_blocked", "contrib", "got",
-                 "consumed", "unanswered", "prior_left", "prior_consumed", "halving", "applied", "step_left",
-                 "step_consumed", "applied_more", "pending")
+    __slots__ = ("op", "work", "stage", "loop", "error", "done", "cond", "last_progress", "inflight", "unanswered",
+                 "seen", "expected", "received", "pump_blocked")
 
-    def __init__(self, op: int, work: torch.Tensor, small: bool, layout: RingLayout | None, stage: Staging | None,
-                 loop: asyncio.AbstractEventLoop, halving: HalvingSteps | None = None) -> None:
-        self.op, self.work, self.small, self.layout, self.stage, self.loop = op, work, small, layout, stage, loop
-        self.halving = halving
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.op, self.work, self.stage, self.loop = op, work, stage, loop
         self.error: BaseException | None = None
         self.done: asyncio.Future = loop.create_future()  # woken when cond() holds or on failure
         self.cond: Callable[[], bool] = lambda: False
         self.last_progress = loop.time()
         self.inflight = 0  # requests sent, not yet answered
-        # ring algorithm
-        self.seen: set[tuple[int, int]] = set()
+        self.unanswered: collections.Counter[int] = collections.Counter()  # the same, per rank
+        self.seen: set[tuple[int, int]] = set()  # (step, piece) received
         self.expected = 0
         self.received = 0
-        self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
-        self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
-        self.pump_blocked: asyncio.Future | None = None
-        # pieces of the steps before the last still to consume ("prior" pieces); prior_consumed is
-        # woken at 0: a last-step piece is answered only then (one-way pieces have no answer of their own)
-        self.prior_left = 0
-        self.prior_consumed: asyncio.Future = loop.create_future()
-        # halving-doubling: pieces applied, per step; pieces of a step still to apply, and woken at 0
-        # (an all-gather step's first piece is answered only then); woken when any piece is applied
-        self.applied: set[tuple[int, int]] = set()
-        self.step_left: list[int] = []
-        self.step_consumed: list[asyncio.Future] = []
-        self.applied_more: asyncio.Future | None = None
-        self.pending: list[collections.deque[int]] = []  # per step: pieces not sent yet, in order
-        # small algorithm
-        self.contrib: list[Any] | None = None
-        self.got = 0
-        self.consumed: asyncio.Future = loop.create_future()
-        self.unanswered: collections.Counter[int] = collections.Counter()
+        self.pump_blocked: asyncio.Future | None = None  # the device copy the next send waits for
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
         _wake(self.done)
-        _wake(self.consumed)
-        _wake(self.prior_consumed)
         _wake(self.pump_blocked)
+
+
+class _RingOp(_Op):
+    __slots__ = ("layout", "queue", "sends", "prior_left", "prior_consumed")
+
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop,
+                 layout: RingLayout) -> None:
+        super().__init__(op, work, stage, loop)
+        self.layout = layout
+        self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
+        self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
+        # pieces of the steps before the last still to consume ("prior" pieces); prior_consumed is
+        # woken at 0: a last-step piece is answered only then (one-way pieces have no answer of their own)
+        self.prior_left = 0
+        self.prior_consumed: asyncio.Future = loop.create_future()
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
+        _wake(self.prior_consumed)
+
+
+class _HalvingOp(_Op):
+    # pieces applied; per step: pieces still to apply, woken at 0 (an all-gather step's first piece
+    # is answered only then), and pieces not sent yet, in order; woken when any piece is applied
+    __slots__ = ("layout", "applied", "step_left", "step_consumed", "pending", "applied_more")
+
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop,
+                 layout: HalvingSteps) -> None:
+        super().__init__(op, work, stage, loop)
+        self.layout = layout
+        self.applied: set[tuple[int, int]] = set()
+        self.step_left = [layout.count(layout.recvs[t]) for t in range(layout.steps)]
+        self.step_consumed = [loop.create_future() for _ in range(layout.steps)]
+        self.pending = [collections.deque(range(layout.count(layout.sends[t]))) for t in range(layout.steps)]
+        self.applied_more: asyncio.Future | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
         _wake(self.applied_more)
         for fut in self.step_consumed:
             _wake(fut)
+
+
+class _SmallOp(_Op):
+    __slots__ = ("contrib", "got", "consumed")
+
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(op, work, stage, loop)
+        self.contrib: list[Any] | None = None  # by rank, until summed
+        self.got = 0
+        self.consumed: asyncio.Future = loop.create_future()  # the contributions were summed: answer them
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
+        _wake(self.consumed)
 
 
 class Ring:
@@ -352,20 +331,23 @@ class Ring:
             work = self._take_host(n, tensor.dtype, pin=tensor.is_cuda)
             stage = Staging(tensor, work, self._copier_pool(), loop, side_stream(tensor.device, self._streams))
         per_piece = max(1, self.piece_bytes // tensor.element_size())
-        o = _Op(op, work, algo == "small", RingLayout.of(self.rank, self.size, n, per_piece) if algo == "ring" else None,
-                stage, loop, HalvingSteps.of(self.rank, self.size, n, per_piece) if algo == "halving" else None)
+        o: _Op
+        if algo == "small":
+            o = _SmallOp(op, work, stage, loop)
+        elif algo == "halving":
+            o = _HalvingOp(op, work, stage, loop, HalvingSteps.of(self.rank, self.size, n, per_piece))
+        else:
+            o = _RingOp(op, work, stage, loop, RingLayout.of(self.rank, self.size, n, per_piece))
         self._ops[op] = o
         _wake(self._early.pop(op, None))  # early pieces of this op go on now
         ok = False
         try:
-            if o.small:
-                self.stats["small_ops"] += 1
+            self.stats[f"{algo}_ops"] += 1
+            if isinstance(o, _SmallOp):
                 await self._run_small(o)
-            elif o.halving is not None:
-                self.stats["halving_ops"] += 1
+            elif isinstance(o, _HalvingOp):
                 await self._run_halving(o)
             else:
-                self.stats["ring_ops"] += 1
                 await self._run_ring(o)
             ok = True
         except asyncio.CancelledError:
@@ -403,7 +385,7 @@ class Ring:
             _wake(o.done)
 
     def _stalled(self, o: _Op) -> RingBroken:
-        if o.small:
+        if isinstance(o, _SmallOp):
             missing = [r for r in range(self.size) if r != self.rank and (o.contrib is None or o.contrib[r] is None)]
             if o.got < self.size - 1 and missing:
                 rank, what = missing[0], "its contribution"
@@ -411,12 +393,11 @@ class Ring:
                 rank = min(o.unanswered, default=self.next)
                 what = "the answer to our contribution"
         elif o.inflight > 0:
-            rank = self.next if o.halving is None else o.unanswered.most_common(1)[0][0]
+            rank = self.next if isinstance(o, _RingOp) else o.unanswered.most_common(1)[0][0]
             what = f"answers to {o.inflight} pieces"
         else:
-            layout = o.halving or o.layout
-            assert layout is not None
-            rank, what = layout.silent(o.seen), f"{o.expected - o.received} pieces"
+            assert isinstance(o, (_RingOp, _HalvingOp))
+            rank, what = o.layout.silent(o.seen), f"{o.expected - o.received} pieces"
         return RingBroken(f"{self.name}: op {o.op} made no progress for {self.timeout_s} s; waiting for member "
                           f"{rank} ({self.addresses[rank]}): {what}", blamed=rank,
                           address=self.addresses[rank], code="timeout")
@@ -478,16 +459,15 @@ class Ring:
         stats["pieces_sent"] += 1
         stats["bytes_sent"] += msg.values.numel() * msg.values.element_size()
         if o.error is None:
-            if o.halving is not None:
+            if isinstance(o, _HalvingOp):
                 self._pump_halving(o)
-            elif o.queue:
+            elif isinstance(o, _RingOp) and o.queue:
                 self._pump(o)
             self._check(o)
 
-    def _pump(self, o: _Op) -> None:
+    def _pump(self, o: _RingOp) -> None:
         """Send the ready pieces, in order, while the window allows."""
         q, window, layout = o.queue, self.window, o.layout
-        assert layout is not None
         while q and o.error is None and (window is None or o.inflight < window):
             step, j = q[0]
             seg = layout.sent(step)
@@ -511,17 +491,16 @@ class Ring:
             if task is not None:
                 o.sends[(seg, j)] = task
 
-    def _unblock(self, o: _Op) -> None:
+    def _unblock(self, o: _RingOp | _HalvingOp) -> None:
         o.pump_blocked = None
         if o.error is None:
-            if o.halving is not None:
+            if isinstance(o, _HalvingOp):
                 self._pump_halving(o)
             else:
                 self._pump(o)
 
-    async def _run_ring(self, o: _Op) -> None:
+    async def _run_ring(self, o: _RingOp) -> None:
         layout = o.layout
-        assert layout is not None
         o.expected = layout.expected()
         o.prior_left = o.expected - layout.counts[layout.received(layout.steps - 1)]
         if o.stage is not None:
@@ -534,32 +513,26 @@ class Ring:
         await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not o.queue
                                       and (stage is None or stage.pending_out == 0)))
 
-    async def _run_halving(self, o: _Op) -> None:
-        hp = o.halving
-        assert hp is not None
-        steps = hp.steps
-        o.step_left = [hp.count(hp.recvs[t]) for t in range(steps)]
+    async def _run_halving(self, o: _HalvingOp) -> None:
+        hp = o.layout
         o.expected = sum(o.step_left)
-        o.step_consumed = [o.loop.create_future() for _ in range(steps)]
         if o.stage is not None:
             # Step 0 sends one half and receives into the other: the whole tensor, in that order.
             send0, recv0 = hp.sends[0], hp.recvs[0]
             o.stage.start([(("send", j), *hp.region(send0, j)) for j in range(hp.count(send0))]
                           + [(("recv", j), *hp.region(recv0, j)) for j in range(hp.count(recv0))])
-        o.pending = [collections.deque(range(hp.count(hp.sends[t]))) for t in range(steps)]
         self._pump_halving(o)
         stage = o.stage
         await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not any(o.pending)
                                       and (stage is None or stage.pending_out == 0)))
 
-    def _pump_halving(self, o: _Op) -> None:
+    def _pump_halving(self, o: _HalvingOp) -> None:
         """Send the ready pieces of every step, in order within a step, while the window allows.
 
         A piece is ready when the pieces of the earlier steps that share elements with it were
         applied here (step 0: when its device copy landed). One-way but for
         :meth:`~hmp.collective.plans.HalvingSteps.answered` ones (``window`` set: every piece is a request)."""
-        hp, window, stage = o.halving, self.window, o.stage
-        assert hp is not None
+        hp, window, stage = o.layout, self.window, o.stage
         for t, pending in enumerate(o.pending):
             sent = hp.sends[t]
             while pending and o.error is None and (window is None or o.inflight < window):
@@ -584,7 +557,7 @@ class Ring:
                 else:
                     start_eager(self._send(o, hp.partners[t], msg), o.loop)
 
-    async def _run_small(self, o: _Op) -> None:
+    async def _run_small(self, o: _SmallOp) -> None:
         size, work = self.size, o.work
         o.contrib = [None] * size
         if o.stage is not None:
@@ -633,10 +606,11 @@ class Ring:
         o = self._ops.get(msg.op)
         if o is None:
             o = await self._wait_start(msg)
-        if o.small:
+        if isinstance(o, _SmallOp):
             return await self._take_small(o, msg)
-        if o.halving is not None:
+        if isinstance(o, _HalvingOp):
             return await self._take_halving(o, msg)
+        assert isinstance(o, _RingOp)
         return await self._take_ring(o, msg)
 
     def _aborted(self, exc: BaseException) -> RequestError:
@@ -684,22 +658,15 @@ class Ring:
             raise RequestError(f"{self.name}: op {msg.op} is not running here", "stale_op")
         return o
 
-    async def _take_ring(self, o: _Op, msg: RingPiece) -> Message:
+    async def _take_ring(self, o: _RingOp, msg: RingPiece) -> Message:
         layout, step, j = o.layout, msg.step, msg.part
-        assert layout is not None
         if not 0 <= step < layout.steps:
             raise self._refuse(msg, "not a ring step (the members disagree on the algorithm)", o, self.prev)
         seg = layout.received(step)
         if not 0 <= j < layout.counts[seg]:
             raise self._refuse(msg, f"segment {seg} has {layout.counts[seg]} pieces", o, self.prev)
         lo, hi = layout.region(seg, j)
-        v = msg.values
-        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
-            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, self.prev)
-        key = (step, j)
-        if key in o.seen:
-            raise self._refuse(msg, "duplicate piece")
-        o.seen.add(key)
+        v = self._accept(o, msg, lo, hi, self.prev)
         # Before writing the region: our earlier send of it must be answered (the receiver is done
         # reading it), and on the first write its device copy must have landed in the host buffer.
         sent = o.sends.get((seg, j))
@@ -710,20 +677,7 @@ class Ring:
             if fut is not None:
                 await asyncio.wait({fut})
             self._check(o)
-        if o.error is not None:
-            raise self._aborted(o.error)
-        dst = o.work[lo:hi]
-        if layout.reduces(step):
-            dst.add_(v)  # reduce-scatter: straight from the received frame into the tensor
-        else:
-            dst.copy_(v)  # all-gather
-        o.received += 1
-        o.last_progress = o.loop.time()
-        stats = self.stats
-        stats["pieces_received"] += 1
-        stats["bytes_received"] += (hi - lo) * v.element_size()
-        if not layout.reduces(step + 1) and o.stage is not None:  # final from now on: back to the device
-            o.stage.write_back(lo, hi, lambda: self._check(o))
+        self._apply(o, v, lo, hi, layout.reduces(step), layout.final(step))
         if step + 1 < layout.steps:  # forward it (pipelining: this piece only, now)
             o.queue.append((step + 1, j))
             self._pump(o)
@@ -735,14 +689,11 @@ class Ring:
             # The answer to a last-step piece also says that every one-way piece of the operation
             # from the sender was consumed: only then may the sender's all_reduce return and its
             # caller write the tensor (a one-way piece may be a view of it, in shared memory).
-            await asyncio.wait({o.prior_consumed})
-            if o.error is not None:
-                raise self._aborted(o.error)
+            return await self._ack_when(o, o.prior_consumed)
         return _ACK
 
-    async def _take_halving(self, o: _Op, msg: RingPiece) -> Message:
-        hp, step, j = o.halving, msg.step, msg.part
-        assert hp is not None
+    async def _take_halving(self, o: _HalvingOp, msg: RingPiece) -> Message:
+        hp, step, j = o.layout, msg.step, msg.part
         if not 0 <= step < hp.steps:
             # Its sender is unknown (the step names it): it fails at once on our error reply.
             raise self._refuse(msg, "not a halving-doubling step (the members disagree on the algorithm)")
@@ -750,13 +701,7 @@ class Ring:
         if not 0 <= j < hp.count(span):
             raise self._refuse(msg, f"step {step} has {hp.count(span)} pieces", o, partner)
         lo, hi = hp.region(span, j)
-        v = msg.values
-        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
-            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, partner)
-        key = (step, j)
-        if key in o.seen:
-            raise self._refuse(msg, "duplicate piece")
-        o.seen.add(key)
+        v = self._accept(o, msg, lo, hi, partner)
         if step == 0 and o.stage is not None:  # the first write of the region: after its device copy
             fut = o.stage.ready(("recv", j))
             if fut is not None:
@@ -769,36 +714,21 @@ class Ring:
             if o.applied_more is None or o.applied_more.done():
                 o.applied_more = o.loop.create_future()
             await asyncio.wait({o.applied_more})
-        if o.error is not None:
-            raise self._aborted(o.error)
-        dst = o.work[lo:hi]
-        if step < hp.levels:
-            dst.add_(v)  # reduce-scatter: straight from the received frame into the tensor
-        else:
-            dst.copy_(v)  # all-gather
-        o.applied.add(key)
+        self._apply(o, v, lo, hi, hp.reduces(step), hp.final(step))
+        o.applied.add((step, j))
         _wake(o.applied_more)
-        o.received += 1
-        o.last_progress = o.loop.time()
-        stats = self.stats
-        stats["pieces_received"] += 1
-        stats["bytes_received"] += (hi - lo) * v.element_size()
-        if step >= hp.levels - 1 and o.stage is not None:  # final from now on: back to the device
-            o.stage.write_back(lo, hi, lambda: self._check(o))
         o.step_left[step] -= 1
         if o.step_left[step] == 0:
             _wake(o.step_consumed[step])
         self._pump_halving(o)
         self._check(o)
-        if self.window is None and step >= hp.levels and j == 0 and o.step_left[step]:
+        if self.window is None and hp.answered(step, j) and o.step_left[step]:
             # The answer to an all-gather step's first piece says the whole step was applied: the
             # sender's all_reduce may return only then (its pieces may be views of its tensor).
-            await asyncio.wait({o.step_consumed[step]})
-            if o.error is not None:
-                raise self._aborted(o.error)
+            return await self._ack_when(o, o.step_consumed[step])
         return _ACK
 
-    async def _take_small(self, o: _Op, msg: RingPiece) -> Message:
+    async def _take_small(self, o: _SmallOp, msg: RingPiece) -> Message:
         src = msg.part
         if msg.step != SMALL_STEP or not 0 <= src < self.size or src == self.rank:
             rank = src if 0 <= src < self.size and src != self.rank else self.prev
@@ -816,7 +746,38 @@ class Ring:
         self.stats["pieces_received"] += 1
         self.stats["bytes_received"] += v.numel() * v.element_size()
         self._check(o)
-        await asyncio.wait({o.consumed})
+        return await self._ack_when(o, o.consumed)
+
+    def _accept(self, o: _Op, msg: RingPiece, lo: int, hi: int, sender: int) -> torch.Tensor:
+        """The piece's values, once each, if they fit elements ``[lo, hi)`` (else the operation fails,
+        blaming rank ``sender``)."""
+        v = msg.values
+        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
+            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, sender)
+        if (msg.step, msg.part) in o.seen:
+            raise self._refuse(msg, "duplicate piece")
+        o.seen.add((msg.step, msg.part))
+        return v
+
+    def _apply(self, o: _Op, v: torch.Tensor, lo: int, hi: int, reduce: bool, final: bool) -> None:
+        """Add (reduce-scatter) or copy (all-gather) a piece straight from its received frame into
+        the tensor; a ``final`` region goes back to the device. Raises the refusal of an aborted op."""
+        if o.error is not None:
+            raise self._aborted(o.error)
+        if reduce:
+            o.work[lo:hi].add_(v)
+        else:
+            o.work[lo:hi].copy_(v)
+        o.received += 1
+        o.last_progress = o.loop.time()
+        self.stats["pieces_received"] += 1
+        self.stats["bytes_received"] += (hi - lo) * v.element_size()
+        if final and o.stage is not None:
+            o.stage.write_back(lo, hi, lambda: self._check(o))
+
+    async def _ack_when(self, o: _Op, fut: asyncio.Future) -> Message:
+        """The answer to a piece once ``fut`` is woken (a refusal if the op failed meanwhile)."""
+        await asyncio.wait({fut})
         if o.error is not None:
             raise self._aborted(o.error)
         return _ACK

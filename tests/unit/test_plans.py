@@ -35,6 +35,7 @@ def test_ring_steps_pass_each_segment_once_around_the_ring(size):
             if t + 1 < layout.steps:
                 assert layout.sent(t + 1) == layout.received(t)  # a received piece is forwarded at the next step
         assert layout.received(size - 2) == (r + 1) % size  # summed here at the last reduce-scatter step
+        assert [t for t in range(layout.steps) if layout.final(t)] == list(range(size - 2, layout.steps))
         # never its own segment (it starts there), nor in the all-gather the one it summed
         assert layout.expected() == sum(layout.counts) * 2 - layout.counts[r] - layout.counts[(r + 1) % size]
     assert [s for s in range(layouts[0].steps) if layouts[0].answered(s)] == ([0, 2 * size - 3] if size > 2 else [1])
@@ -66,6 +67,8 @@ def test_halving_steps_pair_ranks_and_cover_the_tensor(size):
                 q = ranks[hs.partners[t]]
                 assert q.partners[t] == r and q.recvs[t] == hs.sends[t], (r, t)
             assert hs.recvs[hs.levels - 1] == (hs.starts[r], hs.starts[r + 1])  # own segment, summed
+            assert [t for t in range(hs.steps) if hs.final(t)] == list(range(hs.levels - 1, hs.steps))
+            assert [t for t in range(hs.steps) if hs.reduces(t)] == list(range(hs.levels))
             gathered = sorted([hs.recvs[hs.levels - 1], *hs.recvs[hs.levels:]])
             assert gathered[0][0] == 0 and gathered[-1][1] == numel
             assert all(a[1] == b[0] for a, b in zip(gathered, gathered[1:]))

@@ -41,19 +41,19 @@ class ConfigError(HmpError):
 
 
 class RequestError(HmpError):
-    """A handler refuses a well-formed request; becomes an error reply with ``code``."""
+    """A handler refuses a well-formed request; becomes an error reply with ``code`` (and ``blamed``)."""
 
-    def __init__(self, message: str, code: str = "bad_request") -> None:
+    def __init__(self, message: str, code: str = "bad_request", blamed: str = "") -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.blamed = code, blamed
 
 
 class RemoteError(HmpError):
     """The peer answered with an error reply."""
 
-    def __init__(self, code: str, message: str, peer: str = "") -> None:
+    def __init__(self, code: str, message: str, peer: str = "", blamed: str = "") -> None:
         super().__init__(f"{peer or 'peer'} answered {code}: {message}")
-        self.code, self.remote_message, self.peer = code, message, peer
+        self.code, self.remote_message, self.peer, self.blamed = code, message, peer, blamed
 
 
 class TransportError(HmpError):

@@ -210,10 +210,12 @@ class Ack(Message):
 
 @message(Kind.ERROR)
 class Error(Message):
-    """Error reply: ``code`` is machine-readable (see docs/protocol.md), ``message`` for humans."""
+    """Error reply: ``code`` is machine-readable (see docs/protocol.md), ``message`` for humans;
+    ``blamed``, the address of the node the refusal is due to, where it names one (``ring_aborted``)."""
 
     code: str
     message: str
+    blamed: str = ""
 
 
 @message(Kind.REPORT)

@@ -1,10 +1,12 @@
-"""Collective operations between workers: ring all-reduce (:class:`Ring`, :class:`RingHost`) and
-gradient buckets that feed it during ``backward()`` (:class:`GradientBuckets`). See
-docs/collective.md."""
+"""Collective operations between workers: ring all-reduce (:class:`Ring`, :class:`RingHost`; the
+pieces' layout per step in :mod:`hmp.collective.plans`) and gradient buckets that feed it during
+``backward()`` (:class:`GradientBuckets`). See docs/collective.md."""
 
 from hmp.collective.buckets import DEFAULT_BUCKET_BYTES, Bucket, GradientBuckets, plan_buckets
 from hmp.collective.errors import RingBroken, RingError
-from hmp.collective.ring import DEFAULT_PIECE_BYTES, DEFAULT_SMALL_BYTES, SMALL_STEP, Plan, Ring, RingHost
+from hmp.collective.plans import HalvingSteps, RingLayout
+from hmp.collective.ring import DEFAULT_PIECE_BYTES, DEFAULT_SMALL_BYTES, SMALL_STEP, Ring, RingHost
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_PIECE_BYTES", "DEFAULT_SMALL_BYTES", "SMALL_STEP", "Bucket",
-           "GradientBuckets", "Plan", "Ring", "RingBroken", "RingError", "RingHost", "plan_buckets"]
+           "GradientBuckets", "HalvingSteps", "Ring", "RingBroken", "RingError", "RingHost", "RingLayout",
+           "plan_buckets"]

@@ -6,7 +6,7 @@ come to need them).
 
     HmpError
     └── RingError       the collective cannot be used as asked (closed, aborted by the caller)
-        └── RingBroken  an operation cannot complete because of one member: no progress within
+        └── RingBroken  an operation cannot complete because of one rank: no progress within
                         ``timeout_s`` (dead, partitioned or stuck), or it refused a piece
 """
 
@@ -20,16 +20,17 @@ class RingError(HmpError):
 
 
 class RingBroken(RingError):
-    """An all-reduce cannot complete because of member ``member`` (its rank; ``address`` its server).
+    """An all-reduce cannot complete because of rank ``blamed`` (-1: none, the caller aborted the
+    ring; ``address`` its server).
 
-    ``code`` says how: ``"timeout"`` (no progress for ``timeout_s``: the member is dead, stuck or
-    unreachable), ``"closed"`` (our connection to it closed), or the error code the member answered
+    ``code`` says how: ``"timeout"`` (no progress for ``timeout_s``: the rank is dead, stuck or
+    unreachable), ``"closed"`` (our connection to it closed), or the error code the rank answered
     one of our pieces with (``"stale_ring"``, ``"bad_piece"``, ``"ring_aborted"``, ...).
     """
 
-    def __init__(self, message: str, *, member: int, address: str = "", code: str = "timeout") -> None:
+    def __init__(self, message: str, *, blamed: int, address: str = "", code: str = "timeout") -> None:
         super().__init__(message)
-        self.member, self.address, self.code = member, address, code
+        self.blamed, self.address, self.code = blamed, address, code
 
 
 __all__ = ["RingBroken", "RingError"]

@@ -1,59 +1,10 @@
-"""Ring all-reduce over hmp's transport (docs/collective.md has the whole story and the figures).
-
-One :class:`Ring` is one member's place in a ring of ``N`` processes, all running the same
-sequence of :meth:`Ring.all_reduce` calls (``op`` numbers they agree on). Every member owns a
-:class:`~hmp.transport.endpoint.Server` (the caller's: a daemon's) and routes :data:`Kind.RING
-<hmp.messages.Kind>` to :meth:`Ring.on_piece` (or to a :class:`RingHost`, which follows ring
-generations); the ring opens its own :class:`~hmp.transport.endpoint.Client` s to the members it
-sends to.
-
-Algorithms (picked per call from the tensor's size, the same way on every member):
-
-* **ring** (bandwidth-optimal): the tensor is cut into ``N`` segments; ``N - 1`` reduce-scatter
-  steps leave segment ``(r + 1) % N`` fully summed on member ``r``, ``N - 1`` all-gather steps
-  copy every summed segment around. Each member sends ``2 (N - 1) / N`` of the tensor's bytes.
-  Segments travel in pieces of ``piece_bytes``, pipelined: piece ``j`` of step ``s + 1`` leaves as
-  soon as piece ``j`` of step ``s`` was received and reduced, not when the whole segment was.
-* **halving** (recursive halving-doubling, bandwidth-optimal too): with ``N`` a power of two
-  (>= 4), ``log2(N)`` reduce-scatter steps, each between a pair of members that exchange half of
-  what they hold, then ``log2(N)`` mirrored all-gather steps (:class:`HalvingPlan`): the ring's
-  bytes in ``2 log2(N)`` messages per member instead of ``2 (N - 1)``. ``algorithm="auto"`` (the
-  default) takes it only where every member is on this host (CPU per message counts there; across
-  hosts its changing partners share links, where the ring never does).
-* **small** (latency-optimal, one step): when ``nbytes * (N - 1) <= small_bytes`` every member
-  sends its whole tensor to every other member, and each sums the ``N`` contributions in rank order.
-
-All give bit-identical results on every member: in the ring and halving-doubling each element is
-summed at one place per step in a fixed order and then only copied; in the small algorithm every
-member adds the same contributions in the same (rank) order.
-
-Zero-copy. A piece is a :class:`~hmp.messages.RingPiece` whose ``values`` is a slice view of the
-tensor (no copy on the way out). On the way in, the codec decodes it as a view over the received
-frame and the handler reduces straight from it into the destination (``tensor[lo:hi].add_(piece)``,
-``copy_`` in the all-gather): the member's own tensor is the preallocated receive buffer, and the
-only copy of the bytes is the transport's into its frame.
-
-One-way pieces. Pieces of the steps between the first and the last go one-way (no answer to
-encode, send, receive and match); the last step's pieces are requests whose answer
-(:class:`~hmp.messages.Ack`) means "the next member has read every piece of the operation from
-us", so :meth:`Ring.all_reduce` returns only once no member reads our tensor any more (the
-shared-memory transport relies on this: a sender's memory is the message). A region sent one-way
-is written again only after its piece came back around the ring, i.e. after the next member read
-it. Step 0's pieces are requests too (rings of 3 or more), so that a member that never starts or
-dies leaves answers missing that name it. ``window`` set: every piece is a request. A refused
-one-way piece is answered with an error of rid 0 (``RingPiece.refusals_answered``).
-
-Ordering. A member may receive pieces of an operation it has not started (its neighbour is
-ahead): their handlers wait (the request stays unanswered, its frame is the buffer) until
-``all_reduce(op)`` starts here, for at most ``timeout_s``, and for at most ``max_ops_ahead``
-distinct future operations (more: error reply ``too_far_ahead``). Operations must start in
-increasing ``op`` order on each member; several may run at once.
-
-Failures never hang: every wait is bounded by ``timeout_s`` of no progress, after which the
-operation raises :class:`~hmp.collective.errors.RingBroken` naming the member it waits for. Any
-failed operation aborts the ring (the members' tensors no longer agree); so does :meth:`Ring.abort`,
-which the caller uses when it learns that a member is gone. A new ring (a new *generation*) is
-then built; pieces of an older generation get the error reply ``stale_ring``.
+"""Ring all-reduce over hmp's transport. A :class:`Ring` is one rank's place in a ring of
+processes that run the same sequence of :meth:`Ring.all_reduce` calls; each call takes the ring,
+recursive halving-doubling or the one-step small algorithm by the tensor's size, the same way on
+every rank (their step layouts: :mod:`hmp.collective.plans`), for bit-identical sums everywhere.
+Pieces are views of the tensor on both ends, most go one-way, every wait is bounded by
+``timeout_s`` of no progress and a failure names the rank to blame (:class:`RingBroken`);
+:class:`RingHost` routes pieces across ring generations. docs/collective.md has the whole story.
 """
 
 from __future__ import annotations
@@ -61,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import functools
 import ipaddress
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +21,7 @@ import structlog
 import torch
 
 from hmp.collective.errors import RingBroken, RingError
+from hmp.collective.plans import HalvingSteps, RingLayout, power_of_two
 from hmp.collective.staging import Staging, host_buffer, side_stream
 from hmp.errors import EndpointClosed, RemoteError, RequestError, RequestTimeout
 from hmp.messages import Ack, Message, RingPiece
@@ -92,9 +42,6 @@ DEFAULT_SMALL_BYTES = 256 << 10
 SMALL_STEP = -1
 
 _ACK = Ack()
-#: An aborted ring's error replies name the member it blames, so that the blame travels around:
-#: a member whose piece is refused by a neighbour that gave up on member k blames k too.
-_BLAME = re.compile(r"\[member=(\d+)\]")
 _REDUCIBLE = frozenset(d for d in DTYPES.values() if d is not torch.bool)
 log = structlog.get_logger("hmp.collective")
 
@@ -104,38 +51,8 @@ def _wake(fut: asyncio.Future | None) -> None:
         fut.set_result(None)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Plan:
-    """How a tensor of ``numel`` elements is cut: ``members`` segments, pieces of ``per_piece``.
-
-    Segment ``i`` is elements ``[starts[i], starts[i + 1])`` with ``starts[i] = i * numel // members``
-    (sizes differ by at most one; some are empty when ``numel < members``); it travels as
-    ``counts[i]`` pieces, piece ``j`` being ``region(i, j)``.
-    """
-
-    members: int
-    numel: int
-    per_piece: int
-    starts: tuple[int, ...]
-    counts: tuple[int, ...]
-
-    @classmethod
-    def of(cls, members: int, numel: int, per_piece: int) -> Plan:
-        starts = tuple(i * numel // members for i in range(members + 1))
-        counts = tuple(-(-(starts[i + 1] - starts[i]) // per_piece) for i in range(members))
-        return cls(members, numel, per_piece, starts, counts)
-
-    def region(self, segment: int, piece: int) -> tuple[int, int]:
-        lo = self.starts[segment] + piece * self.per_piece
-        return lo, min(lo + self.per_piece, self.starts[segment + 1])
-
-
 #: ``Ring(algorithm=...)`` for tensors above the small threshold ("auto": halving where every member is on one host).
 ALGORITHMS = ("auto", "ring", "halving")
-
-
-def power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def one_host(addresses: Sequence[str]) -> bool:
@@ -157,122 +74,85 @@ def one_host(addresses: Sequence[str]) -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class HalvingPlan:
-    """Member ``rank``'s steps of recursive halving-doubling over ``members`` (a power of two, >= 4).
-
-    The tensor is cut into ``members`` segments as in :class:`Plan` (``starts``). Reduce-scatter
-    step ``k`` (``0 .. L - 1``, ``L = log2(members)``) pairs each member with ``rank ^ (members >>
-    (k + 1))``: the two split the segments they still hold in half, each sends the other half and
-    sums the half it keeps, so that after ``L`` steps member ``r`` holds segment ``r`` summed.
-    All-gather step ``L + i`` mirrors reduce-scatter step ``L - 1 - i`` (same partner): each sends
-    what it kept there, now final, and receives what it sent there. Step ``t`` sends the elements
-    ``sends[t]`` and receives ``recvs[t]`` (``[lo, hi)``), each cut into pieces of ``per_piece``
-    from its start (``region``).
-    """
-
-    members: int
-    per_piece: int
-    starts: tuple[int, ...]
-    partners: tuple[int, ...]
-    sends: tuple[tuple[int, int], ...]
-    recvs: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, rank: int, members: int, numel: int, per_piece: int) -> HalvingPlan:
-        if members < 4 or not power_of_two(members):
-            raise ValueError(f"halving-doubling needs a power of two >= 4 members, got {members}")
-        starts = tuple(i * numel // members for i in range(members + 1))
-        partners, send_segs, keep_segs = [], [], []
-        a, b, d = 0, members, members // 2
-        while d >= 1:
-            m = (a + b) // 2
-            keep, send = ((m, b), (a, m)) if rank & d else ((a, m), (m, b))
-            partners.append(rank ^ d)
-            send_segs.append(send)
-            keep_segs.append(keep)
-            (a, b), d = keep, d // 2
-        partners += partners[::-1]
-        send_segs, recv_segs = send_segs + keep_segs[::-1], keep_segs + send_segs[::-1]
-        return cls(members, per_piece, starts, tuple(partners),
-                   tuple((starts[x], starts[y]) for x, y in send_segs),
-                   tuple((starts[x], starts[y]) for x, y in recv_segs))
-
-    @property
-    def steps(self) -> int:
-        return len(self.partners)
-
-    @property
-    def levels(self) -> int:
-        """Reduce-scatter steps (``log2(members)``); the all-gather has as many."""
-        return len(self.partners) // 2
-
-    def count(self, rng: tuple[int, int]) -> int:
-        return -(-(rng[1] - rng[0]) // self.per_piece)
-
-    def region(self, rng: tuple[int, int], piece: int) -> tuple[int, int]:
-        lo = rng[0] + piece * self.per_piece
-        return lo, min(lo + self.per_piece, rng[1])
-
-    def overlapping(self, rng: tuple[int, int], lo: int, hi: int) -> range:
-        """The pieces of ``rng`` that share elements with ``[lo, hi)``."""
-        lo, hi = max(lo, rng[0]), min(hi, rng[1])
-        if lo >= hi:
-            return range(0)
-        return range((lo - rng[0]) // self.per_piece, (hi - 1 - rng[0]) // self.per_piece + 1)
-
-
 class _Op:
-    """One running all-reduce on this member."""
+    """One running all-reduce on this rank: what every algorithm tracks (subclasses: each one's own)."""
 
-    __slots__ = ("op", "work", "small", "plan", "stage", "loop", "error", "done", "cond", "last_progress",
-                 "seen", "expected", "received", "inflight", "queue", "sends", "pump_blocked", "contrib", "got",
-                 "consumed", "unanswered", "prior_left", "prior_consumed", "halving", "applied", "step_left",
-                 "step_consumed", "applied_more", "pending")
+    __slots__ = ("op", "work", "stage", "loop", "error", "done", "cond", "last_progress", "inflight", "unanswered",
+                 "seen", "expected", "received", "pump_blocked")
 
-    def __init__(self, op: int, work: torch.Tensor, small: bool, plan: Plan | None, stage: Staging | None,
-                 loop: asyncio.AbstractEventLoop, halving: HalvingPlan | None = None) -> None:
-        self.op, self.work, self.small, self.plan, self.stage, self.loop = op, work, small, plan, stage, loop
-        self.halving = halving
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.op, self.work, self.stage, self.loop = op, work, stage, loop
         self.error: BaseException | None = None
         self.done: asyncio.Future = loop.create_future()  # woken when cond() holds or on failure
         self.cond: Callable[[], bool] = lambda: False
         self.last_progress = loop.time()
         self.inflight = 0  # requests sent, not yet answered
-        # ring algorithm
-        self.seen: set[tuple[int, int]] = set()
+        self.unanswered: collections.Counter[int] = collections.Counter()  # the same, per rank
+        self.seen: set[tuple[int, int]] = set()  # (step, piece) received
         self.expected = 0
         self.received = 0
-        self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
-        self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
-        self.pump_blocked: asyncio.Future | None = None
-        # pieces of the steps before the last still to consume ("prior" pieces); prior_consumed is
-        # woken at 0: a last-step piece is answered only then (one-way pieces have no answer of their own)
-        self.prior_left = 0
-        self.prior_consumed: asyncio.Future = loop.create_future()
-        # halving-doubling: pieces applied, per step; pieces of a step still to apply, and woken at 0
-        # (an all-gather step's first piece is answered only then); woken when any piece is applied
-        self.applied: set[tuple[int, int]] = set()
-        self.step_left: list[int] = []
-        self.step_consumed: list[asyncio.Future] = []
-        self.applied_more: asyncio.Future | None = None
-        self.pending: list[collections.deque[int]] = []  # per step: pieces not sent yet, in order
-        # small algorithm
-        self.contrib: list[Any] | None = None
-        self.got = 0
-        self.consumed: asyncio.Future = loop.create_future()
-        self.unanswered: collections.Counter[int] = collections.Counter()
+        self.pump_blocked: asyncio.Future | None = None  # the device copy the next send waits for
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
         _wake(self.done)
-        _wake(self.consumed)
-        _wake(self.prior_consumed)
         _wake(self.pump_blocked)
+
+
+class _RingOp(_Op):
+    __slots__ = ("layout", "queue", "sends", "prior_left", "prior_consumed")
+
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop,
+                 layout: RingLayout) -> None:
+        super().__init__(op, work, stage, loop)
+        self.layout = layout
+        self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (step, piece) ready to send
+        self.sends: dict[tuple[int, int], asyncio.Task] = {}  # region -> its latest send
+        # pieces of the steps before the last still to consume ("prior" pieces); prior_consumed is
+        # woken at 0: a last-step piece is answered only then (one-way pieces have no answer of their own)
+        self.prior_left = 0
+        self.prior_consumed: asyncio.Future = loop.create_future()
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
+        _wake(self.prior_consumed)
+
+
+class _HalvingOp(_Op):
+    # pieces applied; per step: pieces still to apply, woken at 0 (an all-gather step's first piece
+    # is answered only then), and pieces not sent yet, in order; woken when any piece is applied
+    __slots__ = ("layout", "applied", "step_left", "step_consumed", "pending", "applied_more")
+
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop,
+                 layout: HalvingSteps) -> None:
+        super().__init__(op, work, stage, loop)
+        self.layout = layout
+        self.applied: set[tuple[int, int]] = set()
+        self.step_left = [layout.count(layout.recvs[t]) for t in range(layout.steps)]
+        self.step_consumed = [loop.create_future() for _ in range(layout.steps)]
+        self.pending = [collections.deque(range(layout.count(layout.sends[t]))) for t in range(layout.steps)]
+        self.applied_more: asyncio.Future | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
         _wake(self.applied_more)
         for fut in self.step_consumed:
             _wake(fut)
+
+
+class _SmallOp(_Op):
+    __slots__ = ("contrib", "got", "consumed")
+
+    def __init__(self, op: int, work: torch.Tensor, stage: Staging | None, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(op, work, stage, loop)
+        self.contrib: list[Any] | None = None  # by rank, until summed
+        self.got = 0
+        self.consumed: asyncio.Future = loop.create_future()  # the contributions were summed: answer them
+
+    def fail(self, exc: BaseException) -> None:
+        super().fail(exc)
+        _wake(self.consumed)
 
 
 class Ring:
@@ -355,15 +235,15 @@ class Ring:
         """Open a client to every other member (the ring sends to the next; the small algorithm to all)."""
         if self._clients or self.size == 1:
             return
-        for m, address in enumerate(self.addresses):
-            if m == self.rank:
+        for rank, address in enumerate(self.addresses):
+            if rank == self.rank:
                 continue
             # The request timeout is a backstop: the progress watchdog (timeout_s) fires first.
-            client = Client(address, name=f"{self.name}->{m}", limits=self.limits, frame_bytes=self.frame_bytes,
-                            timeout_s=2 * self.timeout_s, ctx=self.ctx, on_refused=functools.partial(self._refused, m),
+            client = Client(address, name=f"{self.name}->{rank}", limits=self.limits, frame_bytes=self.frame_bytes,
+                            timeout_s=2 * self.timeout_s, ctx=self.ctx, on_refused=functools.partial(self._refused, rank),
                             **self._client_trust)
             await client.connect()
-            self._clients[m] = client
+            self._clients[rank] = client
 
     async def close(self) -> None:
         """Fail what still runs (``RingError``), close the clients; the ring is unusable afterwards."""
@@ -451,20 +331,23 @@ class Ring:
             work = self._take_host(n, tensor.dtype, pin=tensor.is_cuda)
             stage = Staging(tensor, work, self._copier_pool(), loop, side_stream(tensor.device, self._streams))
         per_piece = max(1, self.piece_bytes // tensor.element_size())
-        o = _Op(op, work, algo == "small", Plan.of(self.size, n, per_piece) if algo == "ring" else None, stage, loop,
-                HalvingPlan.of(self.rank, self.size, n, per_piece) if algo == "halving" else None)
+        o: _Op
+        if algo == "small":
+            o = _SmallOp(op, work, stage, loop)
+        elif algo == "halving":
+            o = _HalvingOp(op, work, stage, loop, HalvingSteps.of(self.rank, self.size, n, per_piece))
+        else:
+            o = _RingOp(op, work, stage, loop, RingLayout.of(self.rank, self.size, n, per_piece))
         self._ops[op] = o
         _wake(self._early.pop(op, None))  # early pieces of this op go on now
         ok = False
         try:
-            if o.small:
-                self.stats["small_ops"] += 1
+            self.stats[f"{algo}_ops"] += 1
+            if isinstance(o, _SmallOp):
                 await self._run_small(o)
-            elif o.halving is not None:
-                self.stats["halving_ops"] += 1
+            elif isinstance(o, _HalvingOp):
                 await self._run_halving(o)
             else:
-                self.stats["ring_ops"] += 1
                 await self._run_ring(o)
             ok = True
         except asyncio.CancelledError:
@@ -487,7 +370,7 @@ class Ring:
         while o.error is None and not cond():
             left = o.last_progress + self.timeout_s - loop.time()
             if left <= 0:
-                self._fail(self._stalled(o))
+                self.abort(self._stalled(o))
                 break
             if o.done.done():
                 o.done = loop.create_future()
@@ -497,123 +380,97 @@ class Ring:
 
     def _check(self, o: _Op) -> None:
         if o.stage is not None and o.stage.error is not None and o.error is None:
-            self._fail(RingError(f"{self.name}: staging op {o.op} failed: {o.stage.error!r}"))
+            self.abort(RingError(f"{self.name}: staging op {o.op} failed: {o.stage.error!r}"))
         if o.cond():
             _wake(o.done)
 
-    def _fail(self, exc: BaseException) -> None:
-        self.abort(exc)
-
     def _stalled(self, o: _Op) -> RingBroken:
-        if o.small:
-            missing = [m for m in range(self.size) if m != self.rank and (o.contrib is None or o.contrib[m] is None)]
+        if isinstance(o, _SmallOp):
+            missing = [r for r in range(self.size) if r != self.rank and (o.contrib is None or o.contrib[r] is None)]
             if o.got < self.size - 1 and missing:
-                member, what = missing[0], "its contribution"
+                rank, what = missing[0], "its contribution"
             else:
-                member = min(o.unanswered, default=self.next)
+                rank = min(o.unanswered, default=self.next)
                 what = "the answer to our contribution"
         elif o.inflight > 0:
-            member = self.next if o.halving is None else o.unanswered.most_common(1)[0][0]
+            rank = self.next if isinstance(o, _RingOp) else o.unanswered.most_common(1)[0][0]
             what = f"answers to {o.inflight} pieces"
-        elif o.halving is not None:
-            member, what = self._halving_blocking(o), f"{o.expected - o.received} pieces"
         else:
-            member, what = self._blocking(o), f"{o.expected - o.received} pieces"
+            assert isinstance(o, (_RingOp, _HalvingOp))
+            rank, what = o.layout.silent(o.seen), f"{o.expected - o.received} pieces"
         return RingBroken(f"{self.name}: op {o.op} made no progress for {self.timeout_s} s; waiting for member "
-                          f"{member} ({self.addresses[member]}): {what}", member=member,
-                          address=self.addresses[member], code="timeout")
+                          f"{rank} ({self.addresses[rank]}): {what}", blamed=rank,
+                          address=self.addresses[rank], code="timeout")
 
-    def _blocking(self, o: _Op) -> int:
-        """The member a stalled ring operation waits for, when pieces are missing here.
-
-        One-way pieces have no answers that would show where they stopped; the steps received
-        do. If member ``m`` takes no part, member ``m + k`` gets steps ``0 .. k - 2`` of the
-        reduce-scatter (they come from the members between) and nothing of step ``k - 1``; so a
-        member that got nothing of its first incomplete step ``s < N - 1`` blames ``rank - s - 1``.
-        Otherwise (a step in part, or the all-gather) the previous member, which stopped sending.
-        (The member just before a silent one names it by its unanswered step-0 pieces instead; so
-        that member is never the next one, which answered ours: when ``rank - s - 1`` is the next
-        member, the previous one got its data to us and then died.)"""
-        plan, size, seen = o.plan, self.size, o.seen
-        assert plan is not None
-        for step in range(size - 1):
-            seg = (self.rank - step - 1) % size
-            missing = sum((step, j) not in seen for j in range(plan.counts[seg]))
-            if missing:
-                silent = (self.rank - step - 1) % size
-                return silent if missing == plan.counts[seg] and silent != self.next else self.prev
-        return self.prev
-
-    def _refused(self, member: int, exc: RemoteError) -> None:
-        """Member ``member`` refused one of our one-way pieces: the ring is broken (as for a refused request)."""
+    def _refused(self, rank: int, exc: RemoteError) -> None:
+        """Rank ``rank`` refused one of our one-way pieces: the ring is broken (as for a refused request)."""
         if self._error is None:
-            self._fail(self._broken_by(member, exc))
+            self.abort(self._broken_by(rank, exc))
 
-    def _broken_by(self, member: int, exc: BaseException) -> BaseException:
+    def _broken_by(self, rank: int, exc: BaseException) -> BaseException:
         if self._error is not None:
             return self._error
         if isinstance(exc, RemoteError):
             code, what = exc.code, f"refused a piece: {exc.code}: {exc.remote_message}"
-            blamed = _BLAME.search(exc.remote_message) if exc.code == "ring_aborted" else None
-            if blamed is not None and int(blamed[1]) < self.size and int(blamed[1]) != self.rank:
-                member = int(blamed[1])  # our neighbour gave up on that member: so do we
+            # An aborted ring's refusals name the rank it blames, so that the blame travels around
+            # instead of landing on an innocent neighbour: ours gave up on that rank, so do we.
+            if exc.code == "ring_aborted" and exc.blamed in self.addresses and exc.blamed != self.addresses[self.rank]:
+                rank = self.addresses.index(exc.blamed)
         elif isinstance(exc, RequestTimeout):
             code, what = "timeout", str(exc)
         elif isinstance(exc, EndpointClosed):
             code, what = "closed", str(exc)
         else:
             code, what = "error", f"{exc.__class__.__name__}: {exc}"
-        return RingBroken(f"{self.name}: member {member} ({self.addresses[member]}) {what}", member=member,
-                          address=self.addresses[member], code=code)
+        return RingBroken(f"{self.name}: member {rank} ({self.addresses[rank]}) {what}", blamed=rank,
+                          address=self.addresses[rank], code=code)
 
     # ------------------------------------------------------------------ sending
 
-    async def _post(self, o: _Op, member: int, msg: RingPiece) -> None:
-        """One piece one-way to ``member``; never raises (a failure fails the ring). Its region is
-        not written again before that member consumed it: the algorithm's data flow guarantees it
+    async def _post(self, o: _Op, rank: int, msg: RingPiece) -> None:
+        """One piece one-way to ``rank``; never raises (a failure fails the ring). Its region is
+        not written again before that rank consumed it: the algorithm's data flow guarantees it
         (docs/collective.md, "One-way pieces")."""
         try:
-            await self._clients[member].send(msg, lend=True)
+            await self._clients[rank].send(msg, lend=True)
         except Exception as exc:  # noqa: BLE001 - the ring fails with a named error instead
             if o.error is None:
-                self._fail(self._broken_by(member, exc))
+                self.abort(self._broken_by(rank, exc))
             return
         stats = self.stats
         stats["pieces_sent"] += 1
         stats["bytes_sent"] += msg.values.numel() * msg.values.element_size()
 
-    async def _send(self, o: _Op, member: int, msg: RingPiece) -> None:
+    async def _send(self, o: _Op, rank: int, msg: RingPiece) -> None:
         """One piece as a request; never raises (a failure fails the ring)."""
         o.inflight += 1
-        o.unanswered[member] += 1
+        o.unanswered[rank] += 1
         try:
-            await self._clients[member].request(msg)
+            await self._clients[rank].request(msg)
         except Exception as exc:  # noqa: BLE001 - the ring fails with a named error instead
             o.inflight -= 1
             if o.error is None:
-                self._fail(self._broken_by(member, exc))
+                self.abort(self._broken_by(rank, exc))
             return
         o.inflight -= 1
-        o.unanswered[member] -= 1
+        o.unanswered[rank] -= 1
         o.last_progress = o.loop.time()
         stats = self.stats
         stats["pieces_sent"] += 1
         stats["bytes_sent"] += msg.values.numel() * msg.values.element_size()
         if o.error is None:
-            if o.halving is not None:
+            if isinstance(o, _HalvingOp):
                 self._pump_halving(o)
-            elif o.queue:
+            elif isinstance(o, _RingOp) and o.queue:
                 self._pump(o)
             self._check(o)
 
-    def _pump(self, o: _Op) -> None:
+    def _pump(self, o: _RingOp) -> None:
         """Send the ready pieces, in order, while the window allows."""
-        q, window, size = o.queue, self.window, self.size
-        plan = o.plan
-        assert plan is not None
+        q, window, layout = o.queue, self.window, o.layout
         while q and o.error is None and (window is None or o.inflight < window):
             step, j = q[0]
-            seg = (self.rank - step) % size
+            seg = layout.sent(step)
             if step == 0 and o.stage is not None:  # our own data: wait for its copy from the device
                 fut = o.stage.ready((seg, j))
                 if fut is not None:
@@ -625,76 +482,57 @@ class Ring:
                     self._check(o)
                     return
             q.popleft()
-            lo, hi = plan.region(seg, j)
+            lo, hi = layout.region(seg, j)
             msg = RingPiece(ring=self.generation, op=o.op, step=step, part=j, values=o.work[lo:hi], sender=self.name)
-            if window is None and not self._answered(step):
+            if window is None and not layout.answered(step):
                 task = start_eager(self._post(o, self.next, msg), o.loop)
             else:
                 task = start_eager(self._send(o, self.next, msg), o.loop)
             if task is not None:
                 o.sends[(seg, j)] = task
 
-    def _answered(self, step: int) -> bool:
-        """Whether a ring step's pieces go as requests when ``window`` is None (else one-way).
-
-        The last step's: their answers tell the sender that the next member consumed every piece
-        of the operation. Step 0's, in rings of 3 or more: a member that never starts an
-        operation, or dies in it, leaves them unanswered, which names it (:meth:`_stalled`)."""
-        return step == 2 * self.size - 3 or (step == 0 and self.size > 2)
-
-    def _unblock(self, o: _Op) -> None:
+    def _unblock(self, o: _RingOp | _HalvingOp) -> None:
         o.pump_blocked = None
         if o.error is None:
-            if o.halving is not None:
+            if isinstance(o, _HalvingOp):
                 self._pump_halving(o)
             else:
                 self._pump(o)
 
-    async def _run_ring(self, o: _Op) -> None:
-        plan, size, rank = o.plan, self.size, self.rank
-        assert plan is not None
-        steps = 2 * size - 2
-        o.expected = sum(plan.counts[(rank - t - 1) % size] for t in range(steps))
-        o.prior_left = o.expected - plan.counts[(rank - steps) % size]
+    async def _run_ring(self, o: _RingOp) -> None:
+        layout = o.layout
+        o.expected = layout.expected()
+        o.prior_left = o.expected - layout.counts[layout.received(layout.steps - 1)]
         if o.stage is not None:
             # In the order the ring needs them: what we send at step 0, then what we receive, by step.
-            order = [(rank - t) % size for t in range(size)]
-            o.stage.start([((seg, j), *plan.region(seg, j)) for seg in order for j in range(plan.counts[seg])])
-        o.queue.extend((0, j) for j in range(plan.counts[rank]))
+            order = [layout.sent(t) for t in range(self.size)]
+            o.stage.start([((seg, j), *layout.region(seg, j)) for seg in order for j in range(layout.counts[seg])])
+        o.queue.extend((0, j) for j in range(layout.counts[self.rank]))
         self._pump(o)
         stage = o.stage
         await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not o.queue
                                       and (stage is None or stage.pending_out == 0)))
 
-    async def _run_halving(self, o: _Op) -> None:
-        hp = o.halving
-        assert hp is not None
-        steps = hp.steps
-        o.step_left = [hp.count(hp.recvs[t]) for t in range(steps)]
+    async def _run_halving(self, o: _HalvingOp) -> None:
+        hp = o.layout
         o.expected = sum(o.step_left)
-        o.step_consumed = [o.loop.create_future() for _ in range(steps)]
         if o.stage is not None:
             # Step 0 sends one half and receives into the other: the whole tensor, in that order.
             send0, recv0 = hp.sends[0], hp.recvs[0]
             o.stage.start([(("send", j), *hp.region(send0, j)) for j in range(hp.count(send0))]
                           + [(("recv", j), *hp.region(recv0, j)) for j in range(hp.count(recv0))])
-        o.pending = [collections.deque(range(hp.count(hp.sends[t]))) for t in range(steps)]
         self._pump_halving(o)
         stage = o.stage
         await self._watch(o, lambda: (o.received == o.expected and o.inflight == 0 and not any(o.pending)
                                       and (stage is None or stage.pending_out == 0)))
 
-    def _pump_halving(self, o: _Op) -> None:
+    def _pump_halving(self, o: _HalvingOp) -> None:
         """Send the ready pieces of every step, in order within a step, while the window allows.
 
         A piece is ready when the pieces of the earlier steps that share elements with it were
-        applied here (step 0: when its device copy landed). One-way but for an all-gather step's
-        first piece, whose answer says that the partner applied the whole step (``window`` set:
-        every piece is a request). The first, not the last: a request is what starts a client's
-        shared-memory handshake, and only one carrying arena memory, which a small last piece
-        may not (it stays inline); the pieces after it then go by reference."""
-        hp, window, stage = o.halving, self.window, o.stage
-        assert hp is not None
+        applied here (step 0: when its device copy landed). One-way but for
+        :meth:`~hmp.collective.plans.HalvingSteps.answered` ones (``window`` set: every piece is a request)."""
+        hp, window, stage = o.layout, self.window, o.stage
         for t, pending in enumerate(o.pending):
             sent = hp.sends[t]
             while pending and o.error is None and (window is None or o.inflight < window):
@@ -710,38 +548,16 @@ class Ring:
                     if stage.error is not None:
                         self._check(o)
                         return
-                elif not self._halving_ready(o, t, lo, hi):
+                elif not hp.ready(t, lo, hi, o.applied):
                     break
                 pending.popleft()
                 msg = RingPiece(ring=self.generation, op=o.op, step=t, part=j, values=o.work[lo:hi], sender=self.name)
-                if window is None and not (t >= hp.levels and j == 0):  # not an all-gather step's first
+                if window is None and not hp.answered(t, j):
                     start_eager(self._post(o, hp.partners[t], msg), o.loop)
                 else:
                     start_eager(self._send(o, hp.partners[t], msg), o.loop)
 
-    @staticmethod
-    def _halving_ready(o: _Op, step: int, lo: int, hi: int) -> bool:
-        """Whether every piece of the steps before ``step`` that shares elements with ``[lo, hi)`` was applied."""
-        hp, applied = o.halving, o.applied
-        assert hp is not None
-        for s in range(step):
-            for j in hp.overlapping(hp.recvs[s], lo, hi):
-                if (s, j) not in applied:
-                    return False
-        return True
-
-    def _halving_blocking(self, o: _Op) -> int:
-        """The member a stalled halving-doubling operation waits for: the partner of the first step
-        with pieces missing here (best effort, as for the ring: that partner may itself wait for
-        its own earlier partner)."""
-        hp = o.halving
-        assert hp is not None
-        for t in range(hp.steps):
-            if any((t, j) not in o.seen for j in range(hp.count(hp.recvs[t]))):
-                return hp.partners[t]
-        return hp.partners[0]
-
-    async def _run_small(self, o: _Op) -> None:
+    async def _run_small(self, o: _SmallOp) -> None:
         size, work = self.size, o.work
         o.contrib = [None] * size
         if o.stage is not None:
@@ -753,11 +569,11 @@ class Ring:
             self._check(o)
             if o.error is not None:
                 raise o.error
-        for m in range(size):
-            if m != self.rank:
+        for rank in range(size):
+            if rank != self.rank:
                 msg = RingPiece(ring=self.generation, op=o.op, step=SMALL_STEP, part=self.rank, values=work,
                                 sender=self.name)
-                start_eager(self._send(o, m, msg), o.loop)
+                start_eager(self._send(o, rank, msg), o.loop)
         await self._watch(o, lambda: o.got == size - 1)
         contrib = o.contrib
         contrib[self.rank] = work
@@ -790,24 +606,27 @@ class Ring:
         o = self._ops.get(msg.op)
         if o is None:
             o = await self._wait_start(msg)
-        if o.small:
+        if isinstance(o, _SmallOp):
             return await self._take_small(o, msg)
-        if o.halving is not None:
+        if isinstance(o, _HalvingOp):
             return await self._take_halving(o, msg)
+        assert isinstance(o, _RingOp)
         return await self._take_ring(o, msg)
 
     def _aborted(self, exc: BaseException) -> RequestError:
-        blame = f" [member={exc.member}]" if isinstance(exc, RingBroken) else ""
-        return RequestError(f"{self.name}: ring aborted{blame}: {exc}", "ring_aborted")
+        """The refusal of a piece of an aborted ring; it names the rank blamed (``Error.blamed``: its address)."""
+        if not isinstance(exc, RingBroken):
+            return RequestError(f"{self.name}: ring aborted: {exc}", "ring_aborted")
+        return RequestError(f"{self.name}: ring aborted [member={exc.blamed}]: {exc}", "ring_aborted", exc.address)
 
-    def _refuse(self, msg: RingPiece, why: str, o: _Op | None = None, member: int | None = None) -> RequestError:
+    def _refuse(self, msg: RingPiece, why: str, o: _Op | None = None, rank: int | None = None) -> RequestError:
         """A piece that makes no sense. Inside a running operation the members disagree (sizes,
         dtypes, thresholds): the operation cannot be right, so it fails (RingBroken)."""
         self.stats["refused"] += 1
         text = f"{self.name}: op {msg.op} step {msg.step} part {msg.part}: {why}"
-        if o is not None and o.error is None and member is not None:
-            self._fail(RingBroken(f"{text} (from member {member})", member=member,
-                                  address=self.addresses[member], code="bad_piece"))
+        if o is not None and o.error is None and rank is not None:
+            self.abort(RingBroken(f"{text} (from member {rank})", blamed=rank, address=self.addresses[rank],
+                                  code="bad_piece"))
         return RequestError(text, "bad_piece")
 
     async def _wait_start(self, msg: RingPiece) -> _Op:
@@ -839,80 +658,50 @@ class Ring:
             raise RequestError(f"{self.name}: op {msg.op} is not running here", "stale_op")
         return o
 
-    async def _take_ring(self, o: _Op, msg: RingPiece) -> Message:
-        size, step, j = self.size, msg.step, msg.part
-        if not 0 <= step < 2 * size - 2:
+    async def _take_ring(self, o: _RingOp, msg: RingPiece) -> Message:
+        layout, step, j = o.layout, msg.step, msg.part
+        if not 0 <= step < layout.steps:
             raise self._refuse(msg, "not a ring step (the members disagree on the algorithm)", o, self.prev)
-        plan = o.plan
-        assert plan is not None
-        seg = (self.rank - step - 1) % size
-        if not 0 <= j < plan.counts[seg]:
-            raise self._refuse(msg, f"segment {seg} has {plan.counts[seg]} pieces", o, self.prev)
-        lo, hi = plan.region(seg, j)
-        v = msg.values
-        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
-            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, self.prev)
-        key = (step, j)
-        if key in o.seen:
-            raise self._refuse(msg, "duplicate piece")
-        o.seen.add(key)
+        seg = layout.received(step)
+        if not 0 <= j < layout.counts[seg]:
+            raise self._refuse(msg, f"segment {seg} has {layout.counts[seg]} pieces", o, self.prev)
+        lo, hi = layout.region(seg, j)
+        v = self._accept(o, msg, lo, hi, self.prev)
         # Before writing the region: our earlier send of it must be answered (the receiver is done
         # reading it), and on the first write its device copy must have landed in the host buffer.
         sent = o.sends.get((seg, j))
         if sent is not None and not sent.done():
             await asyncio.wait({sent})
-        if o.stage is not None and step < size - 1:
+        if o.stage is not None and layout.reduces(step):
             fut = o.stage.ready((seg, j))
             if fut is not None:
                 await asyncio.wait({fut})
             self._check(o)
-        if o.error is not None:
-            raise self._aborted(o.error)
-        dst = o.work[lo:hi]
-        if step < size - 1:
-            dst.add_(v)  # reduce-scatter: straight from the received frame into the tensor
-        else:
-            dst.copy_(v)  # all-gather
-        o.received += 1
-        o.last_progress = o.loop.time()
-        stats = self.stats
-        stats["pieces_received"] += 1
-        stats["bytes_received"] += (hi - lo) * v.element_size()
-        if step >= size - 2 and o.stage is not None:  # final from now on: back to the device
-            o.stage.write_back(lo, hi, lambda: self._check(o))
-        if step + 1 < 2 * size - 2:  # forward it (pipelining: this piece only, now)
+        self._apply(o, v, lo, hi, layout.reduces(step), layout.final(step))
+        if step + 1 < layout.steps:  # forward it (pipelining: this piece only, now)
             o.queue.append((step + 1, j))
             self._pump(o)
             o.prior_left -= 1
             if o.prior_left == 0:
                 _wake(o.prior_consumed)
         self._check(o)
-        if self.window is None and step == 2 * size - 3 and o.prior_left:
+        if self.window is None and step == layout.steps - 1 and o.prior_left:
             # The answer to a last-step piece also says that every one-way piece of the operation
             # from the sender was consumed: only then may the sender's all_reduce return and its
             # caller write the tensor (a one-way piece may be a view of it, in shared memory).
-            await asyncio.wait({o.prior_consumed})
-            if o.error is not None:
-                raise self._aborted(o.error)
+            return await self._ack_when(o, o.prior_consumed)
         return _ACK
 
-    async def _take_halving(self, o: _Op, msg: RingPiece) -> Message:
-        hp, step, j = o.halving, msg.step, msg.part
-        assert hp is not None
+    async def _take_halving(self, o: _HalvingOp, msg: RingPiece) -> Message:
+        hp, step, j = o.layout, msg.step, msg.part
         if not 0 <= step < hp.steps:
             # Its sender is unknown (the step names it): it fails at once on our error reply.
             raise self._refuse(msg, "not a halving-doubling step (the members disagree on the algorithm)")
-        rng, member = hp.recvs[step], hp.partners[step]
-        if not 0 <= j < hp.count(rng):
-            raise self._refuse(msg, f"step {step} has {hp.count(rng)} pieces", o, member)
-        lo, hi = hp.region(rng, j)
-        v = msg.values
-        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
-            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, member)
-        key = (step, j)
-        if key in o.seen:
-            raise self._refuse(msg, "duplicate piece")
-        o.seen.add(key)
+        span, partner = hp.recvs[step], hp.partners[step]
+        if not 0 <= j < hp.count(span):
+            raise self._refuse(msg, f"step {step} has {hp.count(span)} pieces", o, partner)
+        lo, hi = hp.region(span, j)
+        v = self._accept(o, msg, lo, hi, partner)
         if step == 0 and o.stage is not None:  # the first write of the region: after its device copy
             fut = o.stage.ready(("recv", j))
             if fut is not None:
@@ -921,45 +710,30 @@ class Ring:
         # The earlier steps' pieces of this region first: a partner may be a step ahead of another,
         # and the sums must be added in the same order on every run (and the all-gather must not
         # overwrite a region before its reduction is complete).
-        while o.error is None and not self._halving_ready(o, step, lo, hi):
+        while o.error is None and not hp.ready(step, lo, hi, o.applied):
             if o.applied_more is None or o.applied_more.done():
                 o.applied_more = o.loop.create_future()
             await asyncio.wait({o.applied_more})
-        if o.error is not None:
-            raise self._aborted(o.error)
-        dst = o.work[lo:hi]
-        if step < hp.levels:
-            dst.add_(v)  # reduce-scatter: straight from the received frame into the tensor
-        else:
-            dst.copy_(v)  # all-gather
-        o.applied.add(key)
+        self._apply(o, v, lo, hi, hp.reduces(step), hp.final(step))
+        o.applied.add((step, j))
         _wake(o.applied_more)
-        o.received += 1
-        o.last_progress = o.loop.time()
-        stats = self.stats
-        stats["pieces_received"] += 1
-        stats["bytes_received"] += (hi - lo) * v.element_size()
-        if step >= hp.levels - 1 and o.stage is not None:  # final from now on: back to the device
-            o.stage.write_back(lo, hi, lambda: self._check(o))
         o.step_left[step] -= 1
         if o.step_left[step] == 0:
             _wake(o.step_consumed[step])
         self._pump_halving(o)
         self._check(o)
-        if self.window is None and step >= hp.levels and j == 0 and o.step_left[step]:
+        if self.window is None and hp.answered(step, j) and o.step_left[step]:
             # The answer to an all-gather step's first piece says the whole step was applied: the
             # sender's all_reduce may return only then (its pieces may be views of its tensor).
-            await asyncio.wait({o.step_consumed[step]})
-            if o.error is not None:
-                raise self._aborted(o.error)
+            return await self._ack_when(o, o.step_consumed[step])
         return _ACK
 
-    async def _take_small(self, o: _Op, msg: RingPiece) -> Message:
+    async def _take_small(self, o: _SmallOp, msg: RingPiece) -> Message:
         src = msg.part
         if msg.step != SMALL_STEP or not 0 <= src < self.size or src == self.rank:
-            member = src if 0 <= src < self.size and src != self.rank else self.prev
+            rank = src if 0 <= src < self.size and src != self.rank else self.prev
             raise self._refuse(msg, "not a contribution of another member (the members disagree on the "
-                               "algorithm)", o, member)
+                               "algorithm)", o, rank)
         v = msg.values
         if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != o.work.shape[0]:
             raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{o.work.shape[0]}]",
@@ -972,7 +746,38 @@ class Ring:
         self.stats["pieces_received"] += 1
         self.stats["bytes_received"] += v.numel() * v.element_size()
         self._check(o)
-        await asyncio.wait({o.consumed})
+        return await self._ack_when(o, o.consumed)
+
+    def _accept(self, o: _Op, msg: RingPiece, lo: int, hi: int, sender: int) -> torch.Tensor:
+        """The piece's values, once each, if they fit elements ``[lo, hi)`` (else the operation fails,
+        blaming rank ``sender``)."""
+        v = msg.values
+        if v.dtype != o.work.dtype or v.dim() != 1 or v.shape[0] != hi - lo:
+            raise self._refuse(msg, f"got {v.dtype}{list(v.shape)}, expected {o.work.dtype}[{hi - lo}]", o, sender)
+        if (msg.step, msg.part) in o.seen:
+            raise self._refuse(msg, "duplicate piece")
+        o.seen.add((msg.step, msg.part))
+        return v
+
+    def _apply(self, o: _Op, v: torch.Tensor, lo: int, hi: int, reduce: bool, final: bool) -> None:
+        """Add (reduce-scatter) or copy (all-gather) a piece straight from its received frame into
+        the tensor; a ``final`` region goes back to the device. Raises the refusal of an aborted op."""
+        if o.error is not None:
+            raise self._aborted(o.error)
+        if reduce:
+            o.work[lo:hi].add_(v)
+        else:
+            o.work[lo:hi].copy_(v)
+        o.received += 1
+        o.last_progress = o.loop.time()
+        self.stats["pieces_received"] += 1
+        self.stats["bytes_received"] += (hi - lo) * v.element_size()
+        if final and o.stage is not None:
+            o.stage.write_back(lo, hi, lambda: self._check(o))
+
+    async def _ack_when(self, o: _Op, fut: asyncio.Future) -> Message:
+        """The answer to a piece once ``fut`` is woken (a refusal if the op failed meanwhile)."""
+        await asyncio.wait({fut})
         if o.error is not None:
             raise self._aborted(o.error)
         return _ACK
@@ -1052,4 +857,5 @@ class RingHost:
                            "unknown_ring")
 
 
-__all__ = ["ALGORITHMS", "DEFAULT_PIECE_BYTES", "DEFAULT_SMALL_BYTES", "SMALL_STEP", "Plan", "Ring", "RingHost"]
+__all__ = ["ALGORITHMS", "DEFAULT_PIECE_BYTES", "DEFAULT_SMALL_BYTES", "SMALL_STEP", "Ring", "RingHost", "one_host",
+           "power_of_two"]

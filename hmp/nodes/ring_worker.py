@@ -64,8 +64,8 @@ from hmp.config import Config
 from hmp.data import ShuffledBatches
 from hmp.ema import ema
 from hmp.errors import HmpError, RequestError
-from hmp.messages import Ack, Kind, Message, Report, RingAssign
-from hmp.nodes.worker import WorkerNode
+from hmp.messages import Ack, Kind, Message, RingAssign
+from hmp.nodes.worker_base import WorkerBase
 from hmp.export import write_model
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
 from hmp.ps.schedule import lr_at
@@ -92,7 +92,7 @@ def params_crc32(params: dict[str, torch.Tensor]) -> int:
 _VOTE, _LOSS, _SAMPLES = 0, 1, 2
 
 
-class RingWorkerNode(WorkerNode):
+class RingWorkerNode(WorkerBase):
     """A CPU or GPU worker of an allreduce job (module docstring)."""
 
     def __init__(self, cfg: Config, node_id: str) -> None:
@@ -141,7 +141,7 @@ class RingWorkerNode(WorkerNode):
         self.assigned = msg
         if self.ring is not None:
             self.ring.abort(RingBroken(f"the ring was re-formed as generation {msg.ring} ({len(msg.members)} members)",
-                                       member=-1, code="ring_reformed"))
+                                       blamed=-1, code="ring_reformed"))
         self.ring_changed.set()
         return Ack()
 
@@ -153,7 +153,7 @@ class RingWorkerNode(WorkerNode):
         ring = self.ring
         if ring is not None and ring.error is None:
             self.log.info("ring_abandoned", generation=ring.generation, reason="stopping")
-            ring.abort(RingBroken(f"{self.id} is stopping", member=-1, code="stopped"))
+            ring.abort(RingBroken(f"{self.id} is stopping", blamed=-1, code="stopped"))
 
     # ---------------------------------------------------------------- the ring
     async def use_assigned_ring(self) -> Ring:
@@ -212,14 +212,12 @@ class RingWorkerNode(WorkerNode):
             raise
         finally:
             if not self.failed and not self.out_of_ring:
-                await self.send_ring_report(done=True)
+                await self.send_report(self.ring_metrics(), done=True)
             if self.ring is not None:
                 self.bytes_out += self.ring.stats["bytes_sent"]
                 await self.ring.close()
                 self.ring = None
-            await self.leave(f"failed: {self.failed}" if self.failed else "done")
-            if self._stop_waiter is not None:
-                self._stop_waiter.cancel()
+            await self.say_goodbye()
 
     async def test_set(self, data: Any) -> Any:
         """The test set, scaled by the training split's statistics; loaded once: before joining by the config's
@@ -232,32 +230,11 @@ class RingWorkerNode(WorkerNode):
         return self.test_data
 
     def ring_metrics(self) -> dict[str, float]:
-        wall = max(1e-9, time.monotonic() - self.t_train0) if self.t_train0 else 1e-9
         ring = self.ring
-        return {**self.metrics, "samples_per_s": self.metrics["samples"] / wall, "busy_fraction": self.busy_s / wall,
-                "batch_size": float(self.batch_size), "busy_s": self.busy_s, "resyncs": float(self.resyncs),
+        return {**self.progress_metrics(), "resyncs": float(self.resyncs),
                 "ring_generation": float(ring.generation if ring else 0),
                 "bytes_out": self.bytes_out + (ring.stats["bytes_sent"] if ring else 0.0),
                 "lr": lr_at(max(0, self.step - 1), self.cfg.optimizer)}  # the last update's rate
-
-    async def send_ring_report(self, done: bool = False) -> None:
-        """Report progress; like :meth:`WorkerNode.send_report`, a progress report gives way to a stop and
-        the final one, sent while stopping, waits for a dead scheduler only briefly."""
-        assert self.scheduler is not None
-        timeout = 2.0 if self.stopping.is_set() else 10.0
-        try:
-            request = asyncio.ensure_future(
-                self.scheduler.request(Report(metrics=self.ring_metrics(), done=done), timeout_s=timeout))
-            if done:
-                await asyncio.wait({request})
-            elif not await self.unless_stopped(request):
-                return
-            reply = request.result()
-        except HmpError as exc:
-            self.log.warning("report_failed", error=str(exc))
-            return
-        if getattr(reply, "stop", False):
-            self.stop_requested = True
 
     async def train_ring(self, replica: ShardedModel, data: Any) -> None:
         model, flat = replica.model, replica.flat
@@ -424,7 +401,7 @@ class RingWorkerNode(WorkerNode):
         elif self.ring is not None and self.ring.rank != 0:
             self.next_eval = float("inf")
         if now >= self.next_report:
-            await self.send_ring_report()
+            await self.send_report(self.ring_metrics())
             self.next_report = now + self.cfg.train.report_interval_s
 
     # ---------------------------------------------------------------- losing a member
@@ -444,7 +421,7 @@ class RingWorkerNode(WorkerNode):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RingBroken(f"{self.id}: a ring step failed and no re-formed ring came within {wait_s:.1f} s",
-                                     member=-1, code="timeout")
+                                     blamed=-1, code="timeout")
                 if self.stopping.is_set():
                     return None
                 self.ring_changed.clear()

@@ -12,9 +12,9 @@ thread take turns on the model (every call is awaited before the next step touch
 
 Every request that can block on a peer (a push to a frozen or dead shard, a sync round or SSP
 bound that waits on other workers, a report or a work request to a dead scheduler) is raced
-against ``stopping`` (:meth:`WorkerNode.unless_stopped`): SIGTERM or the scheduler's stop ends
-it at once instead of after the request timeout, and the goodbyes that follow are bounded by a
-short timeout.
+against ``stopping`` (:meth:`~hmp.nodes.worker_base.WorkerBase.unless_stopped`): SIGTERM or the
+scheduler's stop ends it at once instead of after the request timeout, and the goodbyes that
+follow are bounded by a short timeout.
 
 Shard restarts (docs/protocol.md, "Shard restarts"): the scheduler's ``shards`` message says a
 shard is down or back (at a new address when it was restarted). A push in flight is then
@@ -50,14 +50,14 @@ from torch.nn import functional as F
 from hmp.client import PSClient
 from hmp.train.evaluate import evaluate, evaluate_sweep
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
-from hmp.config import BatchPolicyKind, Config, Role
+from hmp.config import BatchPolicyKind, Config
 from hmp.data import ShuffledBatches, take_rows, whole_batch
 from hmp.ema import ema
 from hmp import job
 from hmp.errors import HmpError, RemoteError
-from hmp.messages import Assign, Kind, Report, Work
-from hmp.nodes.base import Node
+from hmp.messages import Kind, Work
 from hmp.nodes.shard_follower import ShardFollower
+from hmp.nodes.worker_base import WorkerBase
 from hmp.ps.schedule import lr_at
 
 
@@ -77,40 +77,18 @@ async def _with_next(batches: AsyncIterator[torch.Tensor], ahead: bool) -> Async
         yield prev, None
 
 
-def resolve_device(role: str, requested: str, node_id: str) -> torch.device:
-    """The worker's device; a GPU worker without CUDA fails unless its config says device = "cpu"."""
-    name = requested or ("cuda" if role == Role.GPU_WORKER else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise HmpError(f"{role} {node_id}: CUDA is not available on this machine; set device = \"cpu\" in its "
-                       f"[[nodes]] entry to run it on the CPU")
-    return torch.device(name)
-
-
-class WorkerNode(ShardFollower, Node):
+class WorkerNode(ShardFollower, WorkerBase):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
-        self.device = resolve_device(self.node.role, self.node.device, node_id)
-        if self.node.role == Role.GPU_WORKER and self.device.type == "cpu":
-            self.log.info("gpu_worker_on_cpu", reason="config says device = \"cpu\"")
-        self.batch_size = self.node.batch_size or cfg.train.batch_size
-        self.stop_requested = False
-        self.metrics: dict[str, float] = {"samples": 0, "updates": 0, "loss": float("nan"), "epoch": 0}
-        self.busy_s = 0.0
-        self.t_train0 = 0.0
-        self._stop_waiter: asyncio.Future | None = None  # one task for every race against `stopping`
         self.init_shard_view()  # the PS shards as the scheduler last said (hmp.nodes.shard_follower)
         self.push_seq = time.time_ns() // 1000  # see the module docstring: new to every shard after a restart
         self.push_retries = 0
         self.ps: PSClient | None = None  # once admitted
         self.start_epoch = 0  # --resume: the first epoch of a static data share
-        self.samples_before = 0  # --resume: the samples of the previous parts
         self._eval_rows: dict[str, torch.Tensor] | None = None  # the table rows the test set reads
 
     def handlers(self):
         return {**super().handlers(), Kind.SHARDS: self.on_shards}
-
-    def status(self) -> dict[str, Any]:
-        return {**super().status(), **self.metrics, "batch_size": self.batch_size, "device": str(self.device)}
 
     async def main(self) -> None:
         # The model is built before joining, on the compute thread (signals are still heard); the data after, when
@@ -147,28 +125,11 @@ class WorkerNode(ShardFollower, Node):
             raise
         finally:
             if not self.failed:
-                await self.send_report(ps, done=True)
+                await self.report(ps, done=True)
             # Stopped (SIGTERM, the scheduler's stop): a frozen shard is not waited for long.
             await ps.leave(self.failed or "done", timeout_s=1.0 if self.stopping.is_set() else 5.0)
             await ps.close()
-            await self.leave(f"failed: {self.failed}" if self.failed else "done")
-            if self._stop_waiter is not None:
-                self._stop_waiter.cancel()
-
-    async def unless_stopped(self, request: asyncio.Future) -> bool:
-        """Wait for ``request`` (a task) unless the node stops first: True when it finished (its
-        ``result()`` is then the caller's to read, raising what it raised); False when ``stopping``
-        was set first, in which case it is cancelled (and waited for: the cancellation has reached
-        it when this returns)."""
-        if self._stop_waiter is None or self._stop_waiter.done():
-            self._stop_waiter = asyncio.ensure_future(self.stopping.wait())
-        if not request.done():
-            await asyncio.wait({request, self._stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if request.done():
-            return True
-        request.cancel()
-        await asyncio.gather(request, return_exceptions=True)
-        return False
+            await self.say_goodbye()
 
     async def push_unless_stopped(self, ps: PSClient, samples: int, want: Any = None) -> bool:
         """Push the gradient buffer; False when the node was told to stop first.
@@ -207,11 +168,8 @@ class WorkerNode(ShardFollower, Node):
         return True
 
     def current_metrics(self, ps: PSClient) -> dict[str, float]:
-        wall = max(1e-9, time.monotonic() - self.t_train0)
-        done_here = self.metrics["samples"] - self.samples_before  # a resumed part's rate is its own
-        out = {**self.metrics, "samples_per_s": done_here / wall, "busy_fraction": self.busy_s / wall,
-               "batch_size": float(self.batch_size), "busy_s": self.busy_s, "bytes_out": float(ps.bytes_out),
-               "bytes_in": float(ps.bytes_in), "version": float(ps.version)}
+        out = {**self.progress_metrics(), "bytes_out": float(ps.bytes_out), "bytes_in": float(ps.bytes_in),
+               "version": float(ps.version)}
         if ps.tables:
             out["rows_pushed"] = float(ps.rows_pushed)
         versions = getattr(ps, "shard_versions", None)
@@ -221,28 +179,13 @@ class WorkerNode(ShardFollower, Node):
             out["lr"] = lr_at(max(0, min(versions.values()) - 1), self.cfg.optimizer)
         return out
 
-    async def send_report(self, ps: PSClient, done: bool = False) -> None:
-        """Report progress (``done``: the final report); a progress report gives way to a stop, and
-        the final one, sent while stopping, waits for a dead scheduler only briefly."""
-        assert self.scheduler is not None
-        timeout = 2.0 if self.stopping.is_set() else 10.0
-        try:
-            request = asyncio.ensure_future(
-                self.scheduler.request(Report(metrics=self.current_metrics(ps), done=done), timeout_s=timeout))
-            if done:
-                await asyncio.wait({request})
-            elif not await self.unless_stopped(request):
-                return
-            reply = request.result()
-        except HmpError as exc:
-            self.log.warning("report_failed", error=str(exc))
-            return
-        if isinstance(reply, Assign):
-            if reply.stop:
-                self.stop_requested = True
-            elif reply.batch_size > 0 and reply.batch_size != self.batch_size:
-                self.log.info("batch_size_changed", old=self.batch_size, new=reply.batch_size)
-                self.batch_size = reply.batch_size
+    async def report(self, ps: PSClient, done: bool = False) -> None:
+        """Report progress (:meth:`~hmp.nodes.worker_base.WorkerBase.send_report`) and take the batch size
+        the scheduler answers with."""
+        reply = await self.send_report(self.current_metrics(ps), done)
+        if reply is not None and not reply.stop and 0 < reply.batch_size != self.batch_size:
+            self.log.info("batch_size_changed", old=self.batch_size, new=reply.batch_size)
+            self.batch_size = reply.batch_size
 
     @property
     def first_come_first_served(self) -> bool:
@@ -287,13 +230,6 @@ class WorkerNode(ShardFollower, Node):
                 yield ids[pos:pos + self.batch_size]
                 pos += self.batch_size
 
-    def start_clock(self, index: int) -> None:
-        """Training starts now: schedule the first report and (worker 0) evaluation."""
-        t = self.cfg.train
-        self.t_train0 = time.monotonic()
-        self.next_report = self.t_train0 + t.report_interval_s
-        self.next_eval = self.t_train0 + t.eval_every_s if index == 0 else float("inf")
-
     async def fresh_tables(self, ps: PSClient, data: Any = None) -> bool:
         """Before an evaluation (``data``: the data set; None: after a push), pull what the local row-sparse
         tables need fresh (they are fresh only in the rows the batches read): the rows the test set reads
@@ -319,7 +255,7 @@ class WorkerNode(ShardFollower, Node):
             self.metrics.update(await self.in_thread(self.evaluate, ps, data))
             self.next_eval = now + self.cfg.train.eval_every_s
         if now >= self.next_report:
-            await self.send_report(ps)
+            await self.report(ps)
             self.next_report = now + self.cfg.train.report_interval_s
 
     async def train(self, ps: PSClient, data: Any, index: int, count: int) -> None:

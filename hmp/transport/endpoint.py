@@ -835,7 +835,7 @@ class Server:
             self.stats["errors"] += 1
             if self._metrics is not None:
                 self._metrics.server_error(exc.code)
-            reply = Error(code=exc.code, message=str(exc))
+            reply = Error(code=exc.code, message=str(exc), blamed=exc.blamed)
         except asyncio.CancelledError:
             if self._closing and self._chan is not None:
                 # close() cancels handlers still running after its grace period: tell the sender
@@ -1154,14 +1154,14 @@ class Client:
         if not self.peer_id:
             self.peer_id = msg.sender
         if msg.rid == 0 and isinstance(msg, Error):  # a one-way message of ours was refused
-            self._refused(RemoteError(msg.code, msg.message, msg.sender))
+            self._refused(RemoteError(msg.code, msg.message, msg.sender, msg.blamed))
             return
         fut = self._pending.pop(msg.rid, None)
         if fut is None or fut.done():
             self.log.debug("unmatched_reply", kind=msg.kind.value, rid=msg.rid)
             return
         if isinstance(msg, Error):
-            fut.set_exception(RemoteError(msg.code, msg.message, msg.sender))
+            fut.set_exception(RemoteError(msg.code, msg.message, msg.sender, msg.blamed))
         else:
             fut.set_result(msg)
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from hmp.collective import (GradientBuckets, Plan, Ring, RingBroken, RingError, RingHost, plan_buckets)
-from hmp.collective.ring import ALGORITHMS, HalvingPlan, one_host
+from hmp.collective import GradientBuckets, Ring, RingBroken, RingError, RingHost, plan_buckets
+from hmp.collective.ring import ALGORITHMS, one_host
 from hmp.config.schema import ALLREDUCE_ALGORITHMS
 from hmp.errors import RemoteError
 from hmp.flat import FlatLayout
@@ -68,48 +68,7 @@ def _from_bits(b: bytes, dtype: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(DTYPES[dtype]) if b else torch.empty(0, dtype=DTYPES[dtype])
 
 
-# ============================================================================ plan, validation
-
-def test_plan_cuts_segments_and_pieces():
-    """Segments differ by at most one element (empty ones when numel < N); pieces cover them exactly."""
-    p = Plan.of(3, 10, 2)
-    assert p.starts == (0, 3, 6, 10) and p.counts == (2, 2, 2)
-    assert [p.region(2, j) for j in range(2)] == [(6, 8), (8, 10)]
-    small = Plan.of(4, 2, 5)
-    assert small.starts == (0, 0, 1, 1, 2) and small.counts == (0, 1, 0, 1)
-    for members, numel, per in [(2, 1001, 16), (3, 7, 1), (4, 3, 2), (5, 1 << 12, 100)]:
-        plan = Plan.of(members, numel, per)
-        covered = sorted(plan.region(s, j) for s in range(members) for j in range(plan.counts[s]))
-        assert covered[0][0] == 0 and covered[-1][1] == numel
-        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-
-
-@pytest.mark.parametrize("members", [4, 8, 16])
-def test_halving_plan_pairs_members_and_covers_the_tensor(members):
-    """Partners pair up (each sends what the other receives), the reduce-scatter leaves member r
-    with segment r, the all-gather brings back every other element exactly once, and every
-    member sends 2 (N - 1) / N of the tensor, as in the ring."""
-    for numel, per in [(10007, 64), (3, 1), (members, 2), (1 << 12, 1 << 20)]:
-        plans = [HalvingPlan.of(r, members, numel, per) for r in range(members)]
-        for r, hp in enumerate(plans):
-            assert hp.steps == 2 * hp.levels and 1 << hp.levels == members
-            for t in range(hp.steps):
-                q = plans[hp.partners[t]]
-                assert q.partners[t] == r and q.recvs[t] == hp.sends[t], (r, t)
-            assert hp.recvs[hp.levels - 1] == (hp.starts[r], hp.starts[r + 1])  # own segment, summed
-            gathered = sorted([hp.recvs[hp.levels - 1], *hp.recvs[hp.levels:]])
-            assert gathered[0][0] == 0 and gathered[-1][1] == numel
-            assert all(a[1] == b[0] for a, b in zip(gathered, gathered[1:]))
-            sent = sum(hi - lo for lo, hi in hp.sends)
-            assert abs(sent - 2 * (members - 1) * numel / members) <= 2 * hp.levels
-            for t in range(hp.steps):  # pieces cover each range exactly
-                rng = hp.sends[t]
-                regions = [hp.region(rng, j) for j in range(hp.count(rng))]
-                assert sum(hi - lo for lo, hi in regions) == rng[1] - rng[0]
-                assert list(hp.overlapping(rng, *rng)) == list(range(hp.count(rng)))
-    with pytest.raises(ValueError, match="power of two"):
-        HalvingPlan.of(0, 6, 100, 10)
-
+# ============================================================================ validation
 
 async def test_arguments_are_checked():
     """Bad tensors, decreasing ops and a missing connect() are refused before anything is sent."""
@@ -306,8 +265,8 @@ async def test_a_refused_one_way_piece_fails_its_sender_at_once():
                                     return_exceptions=True)
         assert time.monotonic() - t0 < 5, outs
         assert all(isinstance(e, RingBroken) for e in outs), outs
-        assert outs[0].code == "bad_piece" and outs[0].member == 1, outs[0]
-        assert outs[1].code == "bad_piece" and outs[1].member == 0, outs[1]
+        assert outs[0].code == "bad_piece" and outs[0].blamed == 1, outs[0]
+        assert outs[1].code == "bad_piece" and outs[1].blamed == 0, outs[1]
         assert "refused a piece" in str(outs[1]), outs[1]
         assert m.rings[0].stats["refused"] == 1
 
@@ -321,10 +280,26 @@ async def test_a_member_that_never_joins_the_op_is_named_within_the_timeout():
                                     m.rings[1].all_reduce(torch.ones(3000), 0), return_exceptions=True)
         took = time.monotonic() - t0
         assert all(isinstance(e, RingBroken) for e in outs), outs
-        assert [e.member for e in outs] == [2, 2], outs
+        assert [e.blamed for e in outs] == [2, 2], outs
         assert took < 0.5 * 2 + 1.0, took
         with pytest.raises(RingBroken):
             await m.rings[0].all_reduce(torch.ones(3), 1)
+
+
+async def test_an_aborted_rings_refusal_carries_its_blame_to_the_sender():
+    """Member 1 gave up on member 2: its refusal of member 0's piece (ring_aborted) names member 2
+    (the error reply's ``blamed``: its address), so member 0 blames member 2 too, not its innocent
+    neighbour; a refusal that blames the receiver itself leaves the blame on the refusing member."""
+    async with local(3, piece_bytes=256, small_bytes=0, timeout_s=5.0) as m:
+        for generation, blamed, expected in ((1, 2, 2), (2, 0, 1)):
+            if generation > 1:
+                await m.form(generation, piece_bytes=256, small_bytes=0, timeout_s=5.0)
+            m.rings[1].abort(RingBroken(f"gave up on member {blamed}", blamed=blamed, address=m.addresses[blamed]))
+            with pytest.raises(RingBroken) as info:
+                await asyncio.wait_for(m.rings[0].all_reduce(torch.ones(3000), 0), 3)
+            e = info.value
+            assert e.code == "ring_aborted" and e.blamed == expected and e.address == m.addresses[expected], e
+            assert f"ring aborted [member={blamed}]" in str(e), e
 
 
 async def test_halving_doubling_names_a_member_that_never_joins():
@@ -338,8 +313,8 @@ async def test_halving_doubling_names_a_member_that_never_joins():
                                     return_exceptions=True)
         took = time.monotonic() - t0
         assert all(isinstance(e, RingBroken) for e in outs), outs
-        assert outs[1].member == 3 and outs[2].member == 3, outs
-        assert outs[0].member in (1, 2, 3), outs
+        assert outs[1].blamed == 3 and outs[2].blamed == 3, outs
+        assert outs[0].blamed in (1, 2, 3), outs
         assert took < 0.5 * 3 + 1.0, took
 
 
@@ -374,7 +349,7 @@ async def test_ring_host_follows_generations_and_refuses_nonsense():
             assert info.value.code == "bad_piece"
             with pytest.raises(RingBroken) as broken:
                 await op6
-            assert broken.value.code == "bad_piece" and broken.value.member == 1
+            assert broken.value.code == "bad_piece" and broken.value.blamed == 1
             # A newer generation's piece waits for the install, then is served (stale_op: op 0 < 6 here).
             later = asyncio.ensure_future(c.request(piece(ring=2, op=0, step=5)))
             await asyncio.sleep(0.05)
@@ -455,7 +430,7 @@ async def _member_main(index: int, conn: Any) -> None:
                 reply = []
                 for o in outs:
                     if isinstance(o, BaseException):
-                        reply.append(("error", type(o).__name__, getattr(o, "member", None), str(o)))
+                        reply.append(("error", type(o).__name__, getattr(o, "blamed", None), str(o)))
                     else:
                         reply.append(("ok", _bits(o)))
                 conn.send((reply, dict(ring.stats), time.monotonic() - t0))

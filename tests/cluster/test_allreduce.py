@@ -12,32 +12,12 @@ from pathlib import Path
 import pytest
 
 from hmp.cluster import LocalCluster
-from tests.cluster_util import digits_job_text, free_port
+from tests.support import ring_config
 
 pytestmark = pytest.mark.cluster
 BIN = str(Path(sys.executable).parent / "hmp-launch")  # the console script of the environment under test
 
 
-def ring_config(tmp: Path, *, workers: int = 2, target: float = 0.95, epochs: int = 40, max_seconds: float = 120,
-                extra: str = "") -> Path:
-    text = digits_job_text(tmp, name="ring", consistency="allreduce", target=target, epochs=epochs,
-                           max_seconds=max_seconds, train_extra="batch_size = 32") + f"""
-[collective]
-bucket_bytes = 16384  # the digits MLP (~70 KiB) in several buckets: overlap and ordering get exercised
-small_bytes = 4096
-piece_bytes = 4096
-{extra}
-
-[[nodes]]
-id = "scheduler"
-role = "scheduler"
-bind = "tcp://127.0.0.1:{free_port()}"
-"""
-    for i in range(workers):
-        text += f'\n[[nodes]]\nid = "w{i}"\nrole = "cpu_worker"\n'
-    path = tmp / "job.toml"
-    path.write_text(text)
-    return path
 
 
 def test_allreduce_job_trains_digits_through_hmp_launch(tmp_path):

@@ -31,26 +31,11 @@ from hmp.nodes.ps_shard import PSShardNode
 from hmp.ps.shard_core import CheckpointError, ShardCore, previous_checkpoint
 from hmp.transport.endpoint import Client
 
-from tests.cluster_util import write_config
+from tests.support import client_of, daemon_env, running, shard_grads, shard_job_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _env() -> dict[str, str]:
-    """The daemons' environment: this checkout importable, no job token (they accept our clients)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HMP_")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def _config(tmp: Path, ps: str = "", limits: str = "", **kw) -> Path:
-    """The tests' digits job with fixed shard ports, shared memory off and ``[ps]``/``[limits]`` lines added."""
-    path = write_config(tmp, fixed_ps_ports=True, **kw)
-    text = path.read_text().replace("[ps]\n", f"[ps]\n{ps}\n") + "\n[shm]\nenabled = false\n"
-    if limits:
-        text += f"\n[limits]\n{limits}\n"
-    path.write_text(text)
-    return path
 
 
 def _core(seed: float = 0.0) -> ShardCore:
@@ -161,35 +146,10 @@ def test_a_checkpoint_records_what_a_report_needs(tmp_path):
 
 # ----------------------------------------------------------------------------- the daemon, in this process
 
-@contextlib.asynccontextmanager
-async def _running(node: PSShardNode):
-    """``node.run()`` (server, main, background tasks) as a task; stopped and awaited on the way out. With no
-    scheduler listening the shard keeps trying to join, serving meanwhile."""
-    task = asyncio.create_task(node.run())
-    for _ in range(200):
-        if node.server is not None and node.server._chan is not None:
-            break
-        await asyncio.sleep(0.01)
-    try:
-        yield task
-    finally:
-        node.stopping.set()
-        await asyncio.wait_for(asyncio.shield(task), 15)
 
 
-@contextlib.asynccontextmanager
-async def _as(node: PSShardNode, name: str):
-    client = Client(node.node.bind, name=name, timeout_s=10)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
-def _grads(node: PSShardNode, value: float = 1.0) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
-    keys = tuple(sorted(node.core.chunks))
-    return keys, tuple(torch.full_like(node.core.chunks[k].param, value) for k in keys)
 
 
 async def _until(predicate, timeout_s: float = 5.0, what: str = "") -> None:
@@ -209,10 +169,10 @@ def _version_on_disk(path: Path) -> int | None:
 async def test_checkpoint_every_s_writes_checkpoints_during_a_run(tmp_path):
     """With updates and then none, the shard is checkpointed within checkpoint_every_s, the one before is
     kept as .prev; without new updates nothing is written again."""
-    node = PSShardNode(load(_config(tmp_path, ps="checkpoint_every_s = 0.3")), "ps0")
+    node = PSShardNode(load(shard_job_config(tmp_path, ps="checkpoint_every_s = 0.3")), "ps0")
     path = node.checkpoint_path
-    keys, grads = _grads(node)
-    async with _running(node), _as(node, "cpu0") as cpu:
+    keys, grads = shard_grads(node)
+    async with running(node), client_of(node, "cpu0") as cpu:
         assert (await cpu.request(Push(keys=keys, grads=grads))).version == 1
         await _until(lambda: _version_on_disk(path) == 1, what="a checkpoint of version 1")
         for _ in range(2):
@@ -247,11 +207,11 @@ async def test_a_failed_write_keeps_the_previous_checkpoint_and_the_shard_servin
     """Disk full during a checkpoint: an error naming the file and the OS error, the previous checkpoint
     intact, no temp file left, pushes still applied; once there is room again the next write succeeds."""
     with _small_tmpfs(tmp_path / "ckpt") as folder, capture_logs() as logs:
-        node = PSShardNode(load(_config(tmp_path, ps="checkpoint_every_s = 0.2")), "ps0")
+        node = PSShardNode(load(shard_job_config(tmp_path, ps="checkpoint_every_s = 0.2")), "ps0")
         path = node.checkpoint_path
         assert path.parent == folder
-        keys, grads = _grads(node)
-        async with _running(node), _as(node, "cpu0") as cpu:
+        keys, grads = shard_grads(node)
+        async with running(node), client_of(node, "cpu0") as cpu:
             await cpu.request(Push(keys=keys, grads=grads))
             await _until(lambda: _version_on_disk(path) == 1, what="the first checkpoint")
             good = path.read_bytes()
@@ -274,10 +234,10 @@ async def test_a_failed_write_keeps_the_previous_checkpoint_and_the_shard_servin
 async def test_drop_completes_a_waiting_sync_round_and_only_the_scheduler_may_send_it(tmp_path):
     """Sync: cpu0's push waits for gpu0; a drop from anyone but the scheduler is refused (unauthorized) and
     changes nothing; the scheduler's completes the round at once; gpu0 pushing again is counted again."""
-    node = PSShardNode(load(_config(tmp_path, consistency="sync")), "ps0")
-    keys, grads = _grads(node)
-    async with _running(node), _as(node, "cpu0") as cpu, _as(node, "gpu0") as gpu, \
-            _as(node, "scheduler") as scheduler:
+    node = PSShardNode(load(shard_job_config(tmp_path, consistency="sync")), "ps0")
+    keys, grads = shard_grads(node)
+    async with running(node), client_of(node, "cpu0") as cpu, client_of(node, "gpu0") as gpu, \
+            client_of(node, "scheduler") as scheduler:
         waiting = asyncio.create_task(cpu.request(Push(keys=keys, grads=grads)))
         await asyncio.sleep(0.2)
         with pytest.raises(RemoteError) as info:
@@ -301,9 +261,9 @@ async def test_drop_completes_a_waiting_sync_round_and_only_the_scheduler_may_se
 async def test_a_stop_answers_a_waiting_push_at_once(tmp_path, consistency):
     """A push waiting for a sync round or the SSP bound gets a `shutting_down` error when the shard stops (a
     worker then stops rather than fails), not at request_timeout_s."""
-    node = PSShardNode(load(_config(tmp_path, consistency=consistency, extra_train="staleness = 0")), "ps0")
-    keys, grads = _grads(node)
-    async with _running(node) as running, _as(node, "cpu0") as cpu:
+    node = PSShardNode(load(shard_job_config(tmp_path, consistency=consistency, extra_train="staleness = 0")), "ps0")
+    keys, grads = shard_grads(node)
+    async with running(node) as run, client_of(node, "cpu0") as cpu:
         if consistency == "ssp":  # one ahead of gpu0 already: the next push waits for the bound
             await cpu.request(Push(keys=keys, grads=grads))
         waiting = asyncio.create_task(cpu.request(Push(keys=keys, grads=grads)))
@@ -314,23 +274,23 @@ async def test_a_stop_answers_a_waiting_push_at_once(tmp_path, consistency):
         with pytest.raises(RemoteError) as info:
             await asyncio.wait_for(waiting, 5)
         assert info.value.code == "shutting_down" and time.monotonic() - t0 < 2
-        assert await asyncio.wait_for(asyncio.shield(running), 10) == 0
+        assert await asyncio.wait_for(asyncio.shield(run), 10) == 0
 
 
 async def test_a_shard_that_loses_its_scheduler_writes_a_final_checkpoint(tmp_path):
     """The scheduler is killed: within 3 heartbeat intervals the shard declares it lost, writes a final
     checkpoint holding every applied update, and exits 1."""
-    cfg_path = _config(tmp_path)  # checkpoint_every_s = 30: only the final checkpoint can be there
+    cfg_path = shard_job_config(tmp_path)  # checkpoint_every_s = 30: only the final checkpoint can be there
     scheduler = subprocess.Popen([sys.executable, "-m", "hmp.nodes.main", "scheduler", "--config", str(cfg_path),
-                                  "--id", "scheduler"], env=_env(), stdout=subprocess.DEVNULL,
+                                  "--id", "scheduler"], env=daemon_env(), stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
     try:
         node = PSShardNode(load(cfg_path), "ps0")
-        keys, grads = _grads(node)
+        keys, grads = shard_grads(node)
         task = asyncio.create_task(node.run())
         try:
             await _until(lambda: node.welcome is not None, 30, "the shard joins the scheduler")
-            async with _as(node, "cpu0") as cpu:
+            async with client_of(node, "cpu0") as cpu:
                 for _ in range(3):
                     await cpu.request(Push(keys=keys, grads=grads))
             assert not node.checkpoint_path.exists()
@@ -350,18 +310,18 @@ async def test_a_shard_that_loses_its_scheduler_writes_a_final_checkpoint(tmp_pa
 # ----------------------------------------------------------------------------- daemons and hmp-launch as processes
 
 def _run(args: list[str], timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], env=_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", *args], env=daemon_env(), capture_output=True, text=True,
                           timeout=timeout_s)
 
 
 async def test_resume_falls_back_to_the_previous_checkpoint_and_fails_without_one(tmp_path):
     """hmp-ps --resume: a corrupted checkpoint is logged (one line naming it) and the previous one is served;
     with no usable checkpoint the daemon exits 2 with one line naming both files."""
-    cfg_path = _config(tmp_path)
+    cfg_path = shard_job_config(tmp_path)
     cfg = load(cfg_path)
     writer = PSShardNode(cfg, "ps0")
     path = writer.checkpoint_path
-    keys, grads = _grads(writer, 0.5)
+    keys, grads = shard_grads(writer, 0.5)
     writer.core.apply("cpu0", keys, grads, 16)
     writer.core.save(path)
     good = {k: c.param.clone() for k, c in writer.core.chunks.items()}
@@ -371,7 +331,7 @@ async def test_resume_falls_back_to_the_previous_checkpoint_and_fails_without_on
 
     cmd = [sys.executable, "-m", "hmp.nodes.main", "ps", "--config", str(cfg_path), "--id", "ps0", "--resume",
            "--log-format", "json"]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=daemon_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         async with contextlib.AsyncExitStack() as stack:
             client = Client(cfg.node("ps0").bind, name="checker", timeout_s=2)
@@ -410,7 +370,7 @@ async def test_resume_falls_back_to_the_previous_checkpoint_and_fails_without_on
 def test_load_time_errors_exit_2_through_hmp_launch_with_one_line(tmp_path, case):
     """hmp-launch refuses before any daemon starts: exit 2, one line naming the file, the key and the fix."""
     (tmp_path / "a-file").write_text("not a folder")
-    cfg_path = _config(tmp_path)
+    cfg_path = shard_job_config(tmp_path)
     text = cfg_path.read_text()
     if case == "report_dir_is_under_a_file":
         text = text.replace(f'report_dir = "{tmp_path / "run"}"', f'report_dir = "{tmp_path / "a-file" / "run"}"')
@@ -430,7 +390,7 @@ def test_load_time_errors_exit_2_through_hmp_launch_with_one_line(tmp_path, case
 def test_an_unwritable_checkpoint_dir_stops_a_shard_at_load(tmp_path):
     """Each daemon checks at load too: a shard started by hand exits 2 with one line naming the key."""
     (tmp_path / "a-file").write_text("not a folder")
-    cfg_path = _config(tmp_path)
+    cfg_path = shard_job_config(tmp_path)
     cfg_path.write_text(cfg_path.read_text().replace(f'checkpoint_dir = "{tmp_path / "ckpt"}"',
                                                      f'checkpoint_dir = "{tmp_path / "a-file" / "ckpt"}"'))
     shard = _run(["hmp.nodes.main", "ps", "--config", str(cfg_path), "--id", "ps0"])

@@ -19,7 +19,7 @@ from hmp.errors import RemoteError
 from hmp.messages import Push, Tensors
 from hmp.transport.endpoint import Client
 
-from tests.cluster_util import write_config
+from tests.support import write_config
 
 pytestmark = pytest.mark.cluster
 BIN = os.path.join(os.path.dirname(sys.executable), "hmp-launch")

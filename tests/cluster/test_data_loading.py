@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hmp.cluster import LocalCluster
-from tests.cluster_util import digits_job_text, free_port, write_config
+from tests.support import digits_job_text, free_port, pipeline_config, write_config
 
 DIGITS_TRAIN, DIGITS_TEST = 1437, 360
 
@@ -170,7 +170,6 @@ async def test_pipeline_stage_workers_load_training_rows_only_for_stage_0(tmp_pa
     """The click pipeline (embeddings on the cpu workers, the MLP on the accel worker): the stage-0 workers load
     the training split when assigned stage 0; the last stage's worker only the test set (its labels come with the
     activations)."""
-    from tests.cluster.test_pipeline import pipeline_config
 
     cfg = pipeline_config(tmp_path, epochs=1, samples=8000)
     async with LocalCluster(cfg) as cluster:

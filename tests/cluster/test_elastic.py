@@ -15,8 +15,7 @@ import pytest
 
 from hmp.cluster import JobFailed, LocalCluster
 
-from tests.cluster_util import write_config
-from tests.cluster.test_allreduce import ring_config
+from tests.support import pipeline_config, ring_config, write_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 HB = 0.3  # the tests' heartbeat interval (cluster_util)
@@ -246,7 +245,6 @@ async def test_a_stage_worker_blocked_on_a_frozen_peer_stops_at_once_on_sigterm(
     request timeout. Heartbeats are slow, so that the frozen peer is not declared lost meanwhile."""
     from hmp.job import loads
 
-    from tests.cluster.test_pipeline import pipeline_config
 
     pipeline_config(tmp_path, epochs=200, max_seconds=60.0, workers=("cpu0", "accel0"), join_wait_s=1.0)
     path = tmp_path / "pipe.toml"
@@ -285,7 +283,6 @@ async def test_a_pipeline_job_goes_on_after_a_shard_restart(tmp_path):
     to the new address and train on to the end (max_seconds); the report lists the restart."""
     from hmp.job import loads
 
-    from tests.cluster.test_pipeline import pipeline_config
 
     pipeline_config(tmp_path, epochs=200, max_seconds=8.0, workers=("cpu0", "accel0"), join_wait_s=1.0)
     path = tmp_path / "pipe.toml"

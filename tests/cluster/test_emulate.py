@@ -18,7 +18,7 @@ import pytest
 from hmp.cluster import LocalCluster
 from hmp.emulate import EmulatedHosts, EmulationUnavailable, HostSpec, load_hosts, remove_stale
 from hmp.errors import ConfigError
-from tests.cluster_util import digits_job_text
+from tests.support import digits_job_text
 
 BIN = str(Path(sys.executable).with_name("hmp-launch"))
 

@@ -7,17 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hmp import job
 from hmp.cluster import LocalCluster
-from hmp.export import MODEL_FILE, MODEL_INFO, PARAMETERS, ExportError, load_model, model_info, write_model
-from hmp.models import digits_mlp
+from hmp.export import MODEL_FILE, PARAMETERS, load_model, model_info
 from hmp.ps.schedule import lr_at
 from hmp.train.evaluate import evaluate
-from hmp.train.stop_rule import TargetConfirmation, target_reason
 
-from tests.cluster_util import digits_job_text, free_port, write_config
+from tests.support import digits_job_text, free_port, write_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SCHEMA = json.loads((DOCS / "report.schema.json").read_text())
@@ -64,93 +61,16 @@ def schema_errors(value, schema: dict, where: str = "report") -> list[str]:
     return errors
 
 
-def schema_keys(schema: dict) -> set[str]:
-    """Every property name the schema defines, at any depth."""
-    keys = set(schema.get("properties", {}))
-    for sub in [*schema.get("properties", {}).values(), *schema.get("patternProperties", {}).values()]:
-        keys |= schema_keys(sub)
-    for k in ("items", "additionalProperties"):
-        if isinstance(schema.get(k), dict):
-            keys |= schema_keys(schema[k])
-    return keys
 
 
-def test_every_key_of_the_schema_is_documented() -> None:
-    """docs/report.md names every key docs/report.schema.json defines (in code spans: `key` or `{a, key}`), and
-    both say version 1."""
-    import re
-
-    text = (DOCS / "report.md").read_text()
-    named = {w for span in re.findall(r"`([^`]+)`", text) for w in re.findall(r"[A-Za-z_<>0-9]+", span)}
-    missing = sorted(k for k in schema_keys(SCHEMA) if k not in named)
-    assert not missing, f"keys of docs/report.schema.json not described in docs/report.md: {missing}"
-    assert SCHEMA["properties"]["schema_version"]["enum"] == [1] and "schema version 1" in text
 
 
-def test_the_schema_check_finds_what_is_wrong() -> None:
-    """The hand check fails where it should (a test that cannot fail proves nothing)."""
-    good = {"schema_version": 1, "job": "j", "config": "c.toml", "consistency": "async", "policy": "static",
-            "final": {"elapsed_s": 1.0, "stop_reason": "epochs done", "best_reported_accuracy": 0.5,
-                      "test_accuracy": 0.5, "member0_accuracy": 0.4, "parameters": "end", "model": None},
-            "sharding": {}, "pipeline": {}, "rings": [], "membership": [], "work_redone": 0, "shard_restarts": [],
-            "workers": {}, "series": {"cpu0": [{"t": 0.3, "loss": float("nan"), "lr": 0.1}]}}
-    assert schema_errors(good, SCHEMA) == []
-    bad = json.loads(json.dumps(good))
-    bad["final"]["parameters"] = "latest"
-    bad["series"]["cpu0"][0]["note"] = "text"
-    bad["surprise"] = 1
-    del bad["workers"]
-    errors = schema_errors(bad, SCHEMA)
-    assert any("final.parameters: 'latest' not one of" in e for e in errors)
-    assert any("series.cpu0[0].note: str" in e for e in errors)
-    assert any("'surprise' is not in the schema" in e for e in errors)
-    assert any("lacks 'workers'" in e for e in errors)
 
 
-def trained_looking(cfg) -> torch.nn.Module:
-    """The job's model with parameters no initialisation gives (so a load that kept the initial ones fails)."""
-    model = job.sharded_model(cfg).model
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (i + 1))
-    return model
 
 
-def test_write_then_load_gives_the_same_model(tmp_path: Path) -> None:
-    """model.pt is an ordinary state_dict (torch.load + load_state_dict into the user's own model); load_model
-    rebuilds the model from model.json and loads it, in eval mode; model.json says what was exported."""
-    cfg = job.load(write_config(tmp_path))
-    model = trained_looking(cfg)
-    path = write_model(tmp_path / "out", cfg, model, parameters="end", metrics={"test_accuracy": 0.5},
-                       detail={"shard_versions": {"ps0": 3}})
-    assert path == tmp_path / "out" / MODEL_FILE
-    plain = digits_mlp()
-    plain.load_state_dict(torch.load(path, weights_only=True))  # nothing of hmp needed
-    loaded = load_model(tmp_path / "out")
-    assert not loaded.training
-    x = torch.randn(7, 64)
-    for m in (plain, loaded):
-        assert torch.equal(m(x), model(x))
-        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), model.state_dict().values()))
-    info = model_info(tmp_path / "out")
-    assert info["parameters"] == "end" and info["metrics"] == {"test_accuracy": 0.5}
-    assert info["model"] == {"name": "digits_mlp", "args": {}, "seed": 0}
-    assert info["detail"] == {"shard_versions": {"ps0": 3}} and info["numel"] == sum(p.numel() for p in model.parameters())
-    assert info["config_path"] == str(Path(cfg.path).resolve())
-    assert (tmp_path / "out" / "config.toml").read_text() == Path(cfg.path).read_text()
-    assert not list((tmp_path / "out").glob("*.tmp"))
 
 
-def test_model_args_survive_the_round_trip(tmp_path: Path) -> None:
-    """A factory's arguments (and a config given as text, no file) are in model.json: the same shapes come back."""
-    text = write_config(tmp_path).read_text().replace('name = "digits_mlp"', 'name = "digits_mlp"\nargs = { hidden = [7, 5] }')
-    cfg = job.loads(text)
-    model = trained_looking(cfg)
-    write_model(tmp_path / "out", cfg, model, parameters="at_stop")
-    loaded = load_model(tmp_path / "out")
-    assert [tuple(p.shape) for p in loaded.parameters()] == [(7, 64), (7,), (5, 7), (5,), (10, 5), (10,)]
-    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
-    assert model_info(tmp_path / "out")["config_copy"] == ""  # no file to copy
 
 
 USER_MODELS = """
@@ -173,76 +93,12 @@ def make(width=8):
 """
 
 
-def test_a_users_own_model_class_from_an_import_path(tmp_path: Path, monkeypatch) -> None:
-    """[model] name = "file.py:function" (relative to the config file) with args: model.pt loads into the
-    user's own class, and load_model finds the file from any working directory."""
-    (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "user_models.py").write_text(USER_MODELS)
-    path = write_config(tmp_path)
-    text = path.read_text().replace('name = "digits_mlp"', 'name = "user_models.py:make"\nargs = { width = 6 }')
-    (tmp_path / "conf" / "job.toml").write_text(text)
-    cfg = job.load(tmp_path / "conf" / "job.toml")
-    model = trained_looking(cfg)
-    assert type(model).__name__ == "TwoTower"
-    write_model(tmp_path / "out", cfg, model, parameters="end")
-    monkeypatch.chdir(tmp_path / "out")
-    loaded = load_model(".")
-    assert type(loaded).__name__ == "TwoTower" and loaded.left.out_features == 6
-    x = torch.randn(3, 64)
-    assert torch.equal(loaded(x), model(x))
-    assert model_info(".")["model_class"] == "TwoTower"
 
 
-def test_bad_exports_are_errors_naming_the_file(tmp_path: Path) -> None:
-    cfg = job.load(write_config(tmp_path))
-    with pytest.raises(ExportError, match=f"{tmp_path / 'none' / MODEL_INFO}: no exported model"):
-        load_model(tmp_path / "none")
-    out = tmp_path / "out"
-    write_model(out, cfg, trained_looking(cfg), parameters="end")
-    torch.save(digits_mlp().state_dict(), out / MODEL_FILE)  # replaced since the export
-    with pytest.raises(ExportError, match="SHA-256 differs"):
-        load_model(out)
-    torch.save({"0.weight": torch.zeros(3)}, out / MODEL_FILE)
-    with pytest.raises(ExportError, match=r"model.pt: does not load into digits_mlp"):
-        load_model(out, verify=False)
-    (out / MODEL_INFO).write_text(json.dumps({"format": 99}))
-    with pytest.raises(ExportError, match="export format 99"):
-        load_model(out)
-    (out / MODEL_INFO).write_text("{not json")
-    with pytest.raises(ExportError, match="unreadable"):
-        load_model(out)
-    with pytest.raises(ValueError, match="parameters must be one of"):
-        write_model(out, cfg, digits_mlp(), parameters="latest")
 
 
-def test_a_sweep_job_exports_no_single_model(tmp_path: Path) -> None:
-    text = write_config(tmp_path).read_text() + '\n[sweep]\noptimizer = "sgd"\nmembers = [{ lr = 0.1 }, { lr = 0.01 }]\n'
-    try:
-        cfg = job.loads(text)
-    except Exception as exc:  # the sweep section's spelling is the HFTA code's business, not this test's
-        pytest.skip(f"sweep config not accepted here: {exc}")
-    with pytest.raises(ValueError, match="sweep job"):
-        write_model(tmp_path / "out", cfg, digits_mlp(), parameters="end")
 
 
-def test_target_rules_and_confirmation_gate() -> None:
-    """The stop reason when metrics meet a target; one confirmation at a time, the next one eval_every_s
-    after a rejection (a worker repeats its last evaluation in every report), rejections recorded."""
-    class Train:
-        target_accuracy, target_loss = 0.9, 0.0
-
-    assert target_reason({"test_accuracy": 0.95}, Train) == "target accuracy 0.9 reached (0.9500)"
-    assert target_reason({"test_accuracy": 0.85, "test_loss": 0.01}, Train) == ""
-    Train.target_loss = 0.1
-    assert target_reason({"test_accuracy": 0.85, "test_loss": 0.01}, Train) == "target test loss 0.1 reached (0.0100)"
-    assert target_reason({}, Train) == "" and target_reason({"error": "x"}, Train) == ""
-    gate = TargetConfirmation(retry_after_s=1.0)
-    assert gate.offer(10.0) and not gate.offer(10.1)  # one in flight
-    assert gate.judged("cand", {"test_accuracy": 0.5, "test_loss": 0.5}, Train, now=10.2, t=3.0) == ""
-    assert not gate.offer(11.1) and gate.offer(11.3)
-    assert gate.judged("cand", {"test_accuracy": 0.95}, Train, now=11.4, t=4.0).startswith("target accuracy")
-    assert gate.rejections == 1 and gate.rejected == [{"t": 3.0, "candidate": "cand", "test_accuracy": 0.5,
-                                                       "test_loss": 0.5}]
 
 
 def ring_config(tmp: Path, target: float) -> Path:

@@ -26,7 +26,7 @@ from hmp.metrics import snapshot, url_file
 from hmp.nodes.base import Node
 from hmp.transport.endpoint import process_metrics
 
-from tests.cluster_util import free_port, write_config
+from tests.support import free_port, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from hmp.errors import RemoteError
 from hmp.messages import Discover, Params, Pull, Push, Status
 from hmp.transport.endpoint import Client
 
-from tests.cluster_util import write_config
+from tests.support import write_config
 
 pytestmark = pytest.mark.cluster
 

@@ -21,7 +21,7 @@ import pytest
 
 from hmp.errors import ConfigError
 from hmp.transport.shm import cleanup_stale
-from tests.cluster_util import digits_job_text, free_port, write_config
+from tests.support import digits_job_text, free_port, write_config
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'hmp[ray]')")
 

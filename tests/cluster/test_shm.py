@@ -32,7 +32,7 @@ from hmp.transport import shm
 from hmp.transport.codec import DTYPES, decode, encode
 from hmp.transport.endpoint import Client, Server
 
-from tests.cluster_util import free_port
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -596,7 +596,7 @@ async def test_the_launcher_removes_a_killed_daemons_segments(tmp_path, job):
     from hmp.cluster import JobFailed, LocalCluster
     from hmp.job import load
 
-    from tests.cluster_util import write_config
+    from tests.support import write_config
 
     path = write_config(tmp_path, consistency="sync", target=0.99, epochs=50, max_seconds=60)
     path.write_text(path.read_text().replace('name = "test"', f'name = "{job}"') + "\n[shm]\nmin_bytes = 4096\n")

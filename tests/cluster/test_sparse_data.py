@@ -64,7 +64,7 @@ def write_sparse_svmlight(path: Path, n: int, n_features: int, per_row: int, see
 
 def free_port() -> int:
     # Imported here, not at the top: the daemons import this file by its path, outside the tests package.
-    from tests.cluster_util import free_port as pick
+    from tests.support import free_port as pick
 
     return pick()
 

@@ -88,7 +88,7 @@ def tuple_loader():
 
 def free_port() -> int:
     # Imported here, not at the top: the daemons import this file by its path, outside the tests package.
-    from tests.cluster_util import free_port as pick
+    from tests.support import free_port as pick
 
     return pick()
 

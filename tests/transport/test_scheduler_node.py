@@ -17,7 +17,7 @@ from hmp.messages import Heartbeat, Join, Report, Welcome, Work
 from hmp.nodes.scheduler import SchedulerNode
 from hmp.transport.endpoint import Client, Server
 
-from tests.cluster_util import write_config
+from tests.support import write_config
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,6 @@ The rules themselves are the core's (tests/test_shard_core.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 
 import pytest
@@ -20,9 +19,8 @@ from hmp.job import load
 from hmp.messages import Pull, Push
 from hmp.nodes.ps_shard import PSShardNode
 from hmp.ps.shard_core import ShardCore
-from hmp.transport.endpoint import Client, Server
 
-from tests.cluster_util import write_config
+from tests.support import serving, write_config
 
 
 def _node(tmp_path, limits: str = "", chunk_bytes: int = 0, **config) -> PSShardNode:
@@ -33,28 +31,6 @@ def _node(tmp_path, limits: str = "", chunk_bytes: int = 0, **config) -> PSShard
     if limits:
         path.write_text(path.read_text() + f"\n[limits]\n{limits}\n")
     return PSShardNode(load(path), "ps0")
-
-
-@contextlib.asynccontextmanager
-async def _serving(node: PSShardNode, address: str = "tcp://127.0.0.1:0"):
-    """The shard's handlers behind a real Server, and a function opening a client as a worker."""
-    server = Server(address, node.handlers(), name=node.id, limits=node.limits)
-    await server.start()
-    node.server = server
-    clients: list[Client] = []
-
-    async def as_worker(worker: str) -> Client:
-        c = Client(server.address, name=worker, timeout_s=10)
-        await c.connect()
-        clients.append(c)
-        return c
-
-    try:
-        yield as_worker
-    finally:
-        for c in clients:
-            await c.close()
-        await server.close(grace_s=0.5)
 
 
 def _grads(node: PSShardNode, keys, value: float = 1.0) -> tuple[torch.Tensor, ...]:
@@ -68,7 +44,7 @@ async def test_a_reply_never_carries_values_of_a_later_update(tmp_path):
     node = _node(tmp_path, chunk_bytes=1 << 20)
     keys = tuple(sorted(node.core.chunks))
     assert keys and node.core.chunks[keys[0]].param.numel() * 4 > 1 << 16
-    async with _serving(node, f"inproc://shard-{uuid.uuid4().hex}") as as_worker:
+    async with serving(node, f"inproc://shard-{uuid.uuid4().hex}") as as_worker:
         cpu, gpu = await as_worker("cpu0"), await as_worker("gpu0")
         before = [node.core.chunks[k].param.clone() for k in keys]
         pulled = await gpu.request(Pull(keys=keys))
@@ -88,7 +64,7 @@ async def test_concurrent_pushes_each_get_their_own_updates_values(tmp_path):
     node = _node(tmp_path, optimizer='name = "sgd"\nlr = 1.0')
     key = next(iter(node.core.chunks))
     start = node.core.chunks[key].param.clone()
-    async with _serving(node) as as_worker:
+    async with serving(node) as as_worker:
         cpu, gpu = await as_worker("cpu0"), await as_worker("gpu0")
         replies = await asyncio.gather(cpu.request(Push(keys=(key,), grads=_grads(node, (key,), 1.0))),
                                        gpu.request(Push(keys=(key,), grads=_grads(node, (key,), 10.0))))
@@ -105,7 +81,7 @@ async def test_ssp_push_too_far_ahead_times_out(tmp_path):
     timeout error once request_timeout_s has passed without it catching up."""
     node = _node(tmp_path, limits="request_timeout_s = 0.3", consistency="ssp", extra_train="staleness = 0")
     keys = tuple(sorted(node.core.chunks)[:1])
-    async with _serving(node) as as_worker:
+    async with serving(node) as as_worker:
         cpu, gpu = await as_worker("cpu0"), await as_worker("gpu0")
         await cpu.request(Push(keys=keys, grads=_grads(node, keys)))
         loop = asyncio.get_running_loop()
@@ -127,7 +103,7 @@ async def test_sync_round_times_out_when_a_worker_never_pushes(tmp_path):
     timeout error naming the missing worker; a complete round answers every member."""
     node = _node(tmp_path, limits="request_timeout_s = 0.3", consistency="sync")
     keys = tuple(sorted(node.core.chunks)[:2])
-    async with _serving(node) as as_worker:
+    async with serving(node) as as_worker:
         cpu, gpu = await as_worker("cpu0"), await as_worker("gpu0")
         with pytest.raises(RemoteError) as info:
             await cpu.request(Push(keys=keys, grads=_grads(node, keys)))

@@ -10,7 +10,7 @@ from hmp.messages import Kind
 from hmp.nodes.worker import WorkerNode
 from hmp.transport.endpoint import Server
 
-from tests.cluster_util import write_config
+from tests.support import write_config
 
 
 async def test_shutting_down_answer_to_an_async_push_is_a_stop_not_a_failure(tmp_path, tcp_address):

@@ -9,49 +9,15 @@ from hmp.errors import ConfigError, RequestError
 from hmp.scheduler.core import (Admitted, Assignment, Held, JobFailed, MemberChanged, Refused, RingFormed,
                                 SchedulerCore, ShardsReady, StopDecided, WorkerDropped, WorkersDone, WorkRange)
 from hmp.scheduler.membership import (TRANSITIONS, IllegalTransition, Member, MemberState, Membership)
+from tests.support import SCHEDULER_HB, SCRIPTED_WORKERS, running_scheduler, scheduler_config, scheduler_core
 
 S = MemberState
-HB = 1.0  # heartbeat interval of the scripted jobs (seconds)
-WORKERS = (("cpu0", "cpu_worker"), ("gpu0", "gpu_worker"))
 
 
-def _cfg(*, target_accuracy=0.0, target_loss=0.0, max_seconds=600.0, epochs=20, join_timeout_s=30.0,
-         placement=False, min_workers=1, restarts=""):
-    nodes = [("scheduler", "scheduler"), ("ps0", "ps"), ("ps1", "ps"), *WORKERS]
-    text = f"""
-[job]
-heartbeat_interval_s = {HB}
-join_timeout_s = {join_timeout_s}
-{restarts}
-
-[train]
-target_accuracy = {target_accuracy}
-target_loss = {target_loss}
-max_seconds = {max_seconds}
-epochs = {epochs}
-min_workers = {min_workers}
-"""
-    for nid, role in nodes:
-        bind = '\nbind = "tcp://127.0.0.1:5555"' if role == "scheduler" else ""
-        text += f'\n[[nodes]]\nid = "{nid}"\nrole = "{role}"{bind}\n'
-    return loads(text, "test.toml")
 
 
-def _core(n_train=100, tolerate=False, **cfg) -> SchedulerCore:
-    core = SchedulerCore(_cfg(**cfg), n_train=n_train, tolerate_worker_loss=tolerate)
-    core.start(0.0)
-    return core
 
 
-def _running(now=0.0, **kw) -> SchedulerCore:
-    """Both shards joined and both workers admitted at ``now``."""
-    core = _core(**kw)
-    for s in ("ps0", "ps1"):
-        core.join(s, "ps", f"tcp://{s}", 1, now)
-    for w, role in WORKERS:
-        assert isinstance(core.join(w, role, f"tcp://{w}", 2, now), Admitted)
-    core.take_events()
-    return core
 
 
 def _changes(events) -> list[tuple[str, S, S, bool]]:
@@ -87,7 +53,7 @@ def test_illegal_transitions_are_refused_with_both_states_named():
 # ---------------------------------------------------------------- joins
 def test_shards_join_live_and_shards_ready_fires_once_all_have():
     """A shard goes straight to LIVE; ShardsReady is emitted when the last shard joins, and only then."""
-    core = _core()
+    core = scheduler_core()
     first = core.join("ps0", "ps", "tcp://ps0", 1, 0.0)
     assert first == Admitted({"shards": []}) and _state(core, "ps0") == S.LIVE
     assert not any(isinstance(e, ShardsReady) for e in core.take_events())
@@ -98,7 +64,7 @@ def test_shards_join_live_and_shards_ready_fires_once_all_have():
 
 def test_worker_join_is_held_until_every_shard_has_joined():
     """A worker joining before the shards is JOINING (held); once they are in, admit() welcomes it as LIVE."""
-    core = _core()
+    core = scheduler_core()
     core.join("ps0", "ps", "tcp://ps0", 1, 0.0)
     held = core.join("cpu0", "cpu_worker", "tcp://cpu0", 2, 0.5)
     assert isinstance(held, Held) and _state(core, "cpu0") == S.JOINING
@@ -114,7 +80,7 @@ def test_worker_join_is_held_until_every_shard_has_joined():
 
 def test_only_the_newest_of_a_workers_resent_held_joins_is_answered():
     """A worker re-sends its join while held: admitting the older join is refused, the newest is welcomed."""
-    core = _core()
+    core = scheduler_core()
     first = core.join("cpu0", "cpu_worker", "a", 1, 0.0)
     second = core.join("cpu0", "cpu_worker", "a", 1, 5.0)
     assert isinstance(first, Held) and isinstance(second, Held) and second.generation > first.generation
@@ -128,7 +94,7 @@ def test_only_the_newest_of_a_workers_resent_held_joins_is_answered():
 
 def test_a_held_join_of_a_worker_that_left_meanwhile_is_not_admitted():
     """A worker that leaves while its join is held is not brought back by the join's late admission."""
-    core = _core()
+    core = scheduler_core()
     held = core.join("cpu0", "cpu_worker", "a", 1, 0.0)
     core.leave("cpu0", "stopped", 1.0)
     for s in ("ps0", "ps1"):
@@ -140,14 +106,14 @@ def test_a_held_join_of_a_worker_that_left_meanwhile_is_not_admitted():
 
 def test_worker_joining_after_the_shards_is_admitted_at_once():
     """Once every shard is in, a worker's join is answered with its welcome directly."""
-    core = _running()
+    core = running_scheduler()
     assert _state(core, "cpu0") == S.LIVE and _state(core, "gpu0") == S.LIVE
     assert core.membership["gpu0"].address == "tcp://gpu0"
 
 
 def test_join_checks_the_sender_and_its_role():
     """An unknown sender is refused with unknown_node; a node joining as another role with bad_role."""
-    core = _core()
+    core = scheduler_core()
     with pytest.raises(RequestError) as info:
         core.join("nobody", "ps", "a", 1, 0.0)
     assert info.value.code == "unknown_node"
@@ -158,7 +124,7 @@ def test_join_checks_the_sender_and_its_role():
 
 def test_after_the_end_joins_and_heartbeats_are_told_to_shut_down():
     """Once the job is over a join is refused and a heartbeat is answered with the reason to shut down."""
-    core = _running()
+    core = running_scheduler()
     assert core.heartbeat("ps0", 1.0) is None
     core.request_stop("target reached", 1.0)
     core.end()
@@ -169,7 +135,7 @@ def test_after_the_end_joins_and_heartbeats_are_told_to_shut_down():
 # ---------------------------------------------------------------- liveness
 def test_a_node_silent_for_two_intervals_is_suspect_and_live_again_when_heard():
     """Silence past 2 heartbeat intervals makes a member SUSPECT; its next heartbeat makes it LIVE again."""
-    core = _running()
+    core = running_scheduler()
     core.heartbeat("ps0", 0.0)
     core.tick(2.0)
     assert _state(core, "ps0") == S.LIVE
@@ -184,7 +150,7 @@ def test_a_node_silent_for_two_intervals_is_suspect_and_live_again_when_heard():
 def test_a_node_silent_for_three_intervals_is_lost_and_fails_the_job():
     """A member silent for more than 2.8 heartbeat intervals is LOST (checked every 0.1 interval, that is
     within 3 intervals of its last message) and the job fails naming it."""
-    core = _running()
+    core = running_scheduler()
     for t in (1.0, 2.0, 2.8):
         for n in ("ps0", "cpu0", "gpu0"):
             core.heartbeat(n, t)
@@ -199,7 +165,7 @@ def test_a_node_silent_for_three_intervals_is_lost_and_fails_the_job():
 
 def test_a_held_worker_is_not_declared_lost_and_is_live_from_its_admission():
     """Liveness does not apply while a worker's join is held; on admission its silence counts from then."""
-    core = _core()
+    core = scheduler_core()
     core.join("cpu0", "cpu_worker", "a", 1, 0.0)
     for t in (3.5, 5.0):
         core.join("ps0", "ps", "p0", 1, t)
@@ -214,7 +180,7 @@ def test_a_held_worker_is_not_declared_lost_and_is_live_from_its_admission():
 
 def test_a_pipeline_jobs_lost_worker_does_not_fail_the_job_and_may_come_back():
     """With tolerate_worker_loss a lost worker is a roster change, not a failure; heard again, it is LIVE again."""
-    core = _running(tolerate=True)
+    core = running_scheduler(tolerate=True)
     for n in ("ps0", "ps1", "gpu0"):
         core.heartbeat(n, 3.0)
     core.tick(3.5)
@@ -227,7 +193,7 @@ def test_a_pipeline_jobs_lost_worker_does_not_fail_the_job_and_may_come_back():
 
 def test_a_lost_worker_does_not_come_back_in_a_job_that_does_not_tolerate_it():
     """Without tolerate_worker_loss a lost worker's late heartbeat leaves it LOST (the job has failed)."""
-    core = _running()
+    core = running_scheduler()
     core.tick(3.5)
     core.heartbeat("cpu0", 3.6)
     assert _state(core, "cpu0") == S.LOST and core.failed
@@ -235,7 +201,7 @@ def test_a_lost_worker_does_not_come_back_in_a_job_that_does_not_tolerate_it():
 
 def test_a_node_that_does_not_join_in_time_fails_the_job():
     """A member still EXPECTED (or JOINING) after join_timeout_s since start() fails the job, not before."""
-    core = _core(join_timeout_s=10.0)
+    core = scheduler_core(join_timeout_s=10.0)
     for n, role in (("ps0", "ps"), ("cpu0", "cpu_worker"), ("gpu0", "gpu_worker")):
         core.join(n, role, "a", 1, 0.0)
     for t in (2.0, 4.0, 6.0, 8.0, 10.0):
@@ -249,10 +215,10 @@ def test_a_node_that_does_not_join_in_time_fails_the_job():
 
 def test_a_worker_still_held_at_the_join_deadline_fails_the_job():
     """A worker whose join is still held (JOINING) when the join deadline passes fails the job too."""
-    core = _core(join_timeout_s=10.0)
+    core = scheduler_core(join_timeout_s=10.0)
     core.join("ps0", "ps", "a", 1, 0.0)
     core.leave("ps1", "stopped", 0.0)  # it will never be ready
-    for n, role in WORKERS:
+    for n, role in SCRIPTED_WORKERS:
         core.join(n, role, "a", 1, 0.0)
     core.heartbeat("ps0", 9.0)
     core.tick(10.1)
@@ -263,7 +229,7 @@ def test_a_worker_still_held_at_the_join_deadline_fails_the_job():
 # ---------------------------------------------------------------- reports, done, leave
 def test_non_workers_cannot_report_or_take_work():
     """A shard's report or work request is refused with bad_role and leaves no trace in the report."""
-    core = _running()
+    core = running_scheduler()
     with pytest.raises(RequestError) as info:
         core.report("ps0", {"samples": 5.0}, True, 1.0)
     assert info.value.code == "bad_role"
@@ -275,7 +241,7 @@ def test_non_workers_cannot_report_or_take_work():
 
 def test_a_worker_reporting_done_is_done_and_the_job_ends_when_all_are():
     """A final report makes the worker DONE with stop; WorkersDone comes once every worker is done or left."""
-    core = _running()
+    core = running_scheduler()
     a = core.report("cpu0", {"updates": 7.0}, True, 1.0)
     assert a == Assignment(batch_size=0, stop=True) and _state(core, "cpu0") == S.DONE
     assert core.run_report.workers["cpu0"]["final"] == {"updates": 7.0}
@@ -287,7 +253,7 @@ def test_a_worker_reporting_done_is_done_and_the_job_ends_when_all_are():
 
 def test_a_done_worker_must_still_heartbeat_until_it_leaves():
     """A DONE worker silent for 3 intervals is LOST and fails the job, like any connected node."""
-    core = _running()
+    core = running_scheduler()
     core.report("cpu0", {}, True, 0.0)
     for n in ("ps0", "ps1", "gpu0"):
         core.heartbeat(n, 3.0)
@@ -297,7 +263,7 @@ def test_a_done_worker_must_still_heartbeat_until_it_leaves():
 
 def test_leave_records_the_worker_and_a_failed_leave_fails_the_job():
     """A worker leaving without a final report is finished in the report; a 'failed:' reason fails the job."""
-    core = _running()
+    core = running_scheduler()
     core.report("cpu0", {"updates": 3.0}, False, 0.5)
     core.leave("cpu0", "failed: CUDA error", 1.0)
     assert _state(core, "cpu0") == S.LEFT
@@ -308,7 +274,7 @@ def test_leave_records_the_worker_and_a_failed_leave_fails_the_job():
 
 def test_a_pipeline_jobs_worker_leaving_is_a_roster_change_only_while_not_stopping():
     """tolerate_worker_loss: a failed worker's leave does not fail the job; after a stop a leave is no roster change."""
-    core = _running(tolerate=True)
+    core = running_scheduler(tolerate=True)
     core.leave("cpu0", "failed: boom", 1.0)
     assert core.failed is None
     assert _changes(core.take_events()) == [("cpu0", S.LIVE, S.LEFT, True)]
@@ -319,7 +285,7 @@ def test_a_pipeline_jobs_worker_leaving_is_a_roster_change_only_while_not_stoppi
 
 def test_a_final_report_from_a_worker_that_left_is_refused():
     """The state machine refuses LEFT -> DONE: the late final report gets an error and changes nothing."""
-    core = _running()
+    core = running_scheduler()
     core.leave("cpu0", "done", 1.0)
     with pytest.raises(IllegalTransition, match="from left to done"):
         core.report("cpu0", {"updates": 1.0}, True, 1.1)
@@ -329,7 +295,7 @@ def test_a_final_report_from_a_worker_that_left_is_refused():
 # ---------------------------------------------------------------- stop rules
 def test_target_accuracy_stops_the_workers():
     """A reported test accuracy at the target sets the stop reason; that reply and every later one say stop."""
-    core = _running(target_accuracy=0.9)
+    core = running_scheduler(target_accuracy=0.9)
     assert core.report("cpu0", {"test_accuracy": 0.85}, False, 1.0).stop is False
     a = core.report("cpu0", {"test_accuracy": 0.91}, False, 2.0)
     assert a.stop is True and core.stop_reason == "target accuracy 0.9 reached (0.9100)"
@@ -340,7 +306,7 @@ def test_target_accuracy_stops_the_workers():
 
 def test_target_loss_stops_the_workers():
     """The best reported test loss at or under the target stops the workers."""
-    core = _running(target_loss=0.2)
+    core = running_scheduler(target_loss=0.2)
     assert core.report("cpu0", {"test_loss": 0.3}, False, 1.0).stop is False
     assert core.report("cpu0", {"test_loss": 0.2}, False, 2.0).stop is True
     assert core.stop_reason.startswith("target test loss 0.2 reached")
@@ -348,7 +314,7 @@ def test_target_loss_stops_the_workers():
 
 def test_max_seconds_counts_from_the_first_admission():
     """The time limit is judged on reports, against the time since the first worker was admitted."""
-    core = _running(now=100.0, max_seconds=10.0)
+    core = running_scheduler(now=100.0, max_seconds=10.0)
     assert core.report("cpu0", {}, False, 110.0).stop is False
     assert core.report("cpu0", {}, False, 110.5).stop is True
     assert core.stop_reason == "time limit of 10.0 s reached"
@@ -356,7 +322,7 @@ def test_max_seconds_counts_from_the_first_admission():
 
 def test_the_first_stop_reason_is_kept():
     """An outside stop (the pipeline's epochs done) before the rules fire is the reason; rules do not override it."""
-    core = _running(target_accuracy=0.5)
+    core = running_scheduler(target_accuracy=0.5)
     core.request_stop("epochs done (40 steps)", 1.0)
     assert core.report("cpu0", {"test_accuracy": 0.99}, False, 2.0).stop is True
     assert core.stop_reason == "epochs done (40 steps)"
@@ -365,21 +331,21 @@ def test_the_first_stop_reason_is_kept():
 
 def test_a_failed_job_tells_reporting_workers_to_stop():
     """Once the job has failed, progress reports are answered with stop."""
-    core = _running()
+    core = running_scheduler()
     core.fail("node ps1 (ps) lost")
     assert core.report("cpu0", {}, False, 1.0).stop is True
 
 
 def test_batch_sizes_come_from_the_batch_policy():
     """Reports are answered with the policy's batch size (static: the configured one)."""
-    core = _running()
+    core = running_scheduler()
     assert core.report("gpu0", {"samples": 10.0}, False, 1.0) == Assignment(batch_size=32, data_share=0.5)
 
 
 # ---------------------------------------------------------------- the work cursor
 def test_the_work_cursor_hands_out_each_epoch_once_then_nothing():
     """Work ranges cover each epoch's examples in order, first come first served, then count 0 after the last epoch."""
-    core = _running(n_train=10, epochs=2)
+    core = running_scheduler(n_train=10, epochs=2)
     got = [core.work(w, 4, 1.0) for w in ("cpu0", "gpu0", "cpu0", "gpu0", "cpu0", "gpu0", "cpu0")]
     assert got == [WorkRange(4, 0, 0), WorkRange(4, 0, 4), WorkRange(2, 0, 8),
                    WorkRange(4, 1, 0), WorkRange(4, 1, 4), WorkRange(2, 1, 8), WorkRange(0, 2)]
@@ -390,7 +356,7 @@ def test_the_work_cursor_hands_out_each_epoch_once_then_nothing():
 
 def test_status_shows_every_members_state():
     """The status lists each member's state by its enum value, plus the run's progress."""
-    core = _running()
+    core = running_scheduler()
     core.report("cpu0", {"test_accuracy": 0.5}, False, 1.0)
     st = core.status(2.0)
     assert st["members"] == {"ps0": "live", "ps1": "live", "cpu0": "live", "gpu0": "live"}
@@ -401,7 +367,7 @@ def test_status_shows_every_members_state():
 def _ring_core() -> SchedulerCore:
     text = f"""
 [job]
-heartbeat_interval_s = {HB}
+heartbeat_interval_s = {SCHEDULER_HB}
 join_timeout_s = 30
 
 [train]
@@ -507,11 +473,11 @@ def test_a_lost_worker_is_dropped_and_the_job_goes_on():
 
 
 def _elastic(**cfg) -> SchedulerCore:
-    core = SchedulerCore(_cfg(**cfg), n_train=100)
+    core = SchedulerCore(scheduler_config(**cfg), n_train=100)
     core.start(0.0)
     for s in ("ps0", "ps1"):
         core.join(s, "ps", f"tcp://{s}", 1, 0.0)
-    for w, role in WORKERS:
+    for w, role in SCRIPTED_WORKERS:
         core.join(w, role, f"tcp://{w}", 2, 0.0)
     core.take_events()
     return core
@@ -529,7 +495,7 @@ def test_fewer_workers_than_min_workers_fails_the_job_with_the_reason():
 def test_min_workers_above_the_topologys_workers_is_a_config_error():
     """min_workers larger than the number of workers could never be met: a config error naming the key."""
     with pytest.raises(ConfigError, match=r"test.toml: key 'train.min_workers': .*2 worker.*got 3"):
-        _cfg(min_workers=3)
+        scheduler_config(min_workers=3)
 
 
 def test_a_lost_workers_work_range_goes_back_to_the_queue():
@@ -612,7 +578,7 @@ def test_a_restart_that_never_comes_fails_the_job_at_the_join_deadline():
 def test_losing_the_last_working_worker_after_the_others_finished_does_not_fail_the_job():
     """Workers that sent their final report and left are done, not missing: when the one still working is
     lost, the job ends (every worker done or gone) instead of failing below min_workers."""
-    core = _running(tolerate=True)
+    core = running_scheduler(tolerate=True)
     t = 1.0
     core.report("gpu0", {"loss": 0.1}, True, t)
     core.leave("gpu0", "done", t)

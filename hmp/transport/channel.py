@@ -273,7 +273,7 @@ class Channel:
         some other socket call consumed."""
         fut = self.loop.create_future()
         self._changed = fut
-        timer = self.loop.call_later(timeout, _wake, fut)
+        timer = self.loop.call_later(timeout, wake, fut)
         try:
             await fut
         finally:

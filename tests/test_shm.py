@@ -30,7 +30,7 @@ from hmp.messages import Ack, Kind, ShmHello, Tensors
 from hmp.nodes.forkserver import ForkedProcess, ForkServer
 from hmp.transport import shm
 from hmp.transport.codec import DTYPES, decode, encode
-from hmp.transport.endpoint import Client, Server
+from hmp.transport import Client, Server
 
 from .cluster_util import free_port
 

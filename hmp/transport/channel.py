@@ -1,8 +1,8 @@
 """A plain (synchronous) zmq socket driven by the running asyncio loop: the one place where hmp reads
 and writes sockets. A reader callback on libzmq's notification FD receives with ``NOBLOCK`` until the
 socket is empty, and sends go out with ``NOBLOCK`` from the calling coroutine, waiting for room on the
-FD's signal; cheaper per message than ``zmq.asyncio``, and never a busy wait (docs/protocol.md,
-"Endpoints")."""
+FD's signal; cheaper per message than ``zmq.asyncio``, and never a busy wait
+(docs/protocol.md, "hmp's endpoints")."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ HWM_FLOOR = 16
 
 #: Send high-water mark. A zero-copy send queues views of the sender's own buffers (plus a header
 #: each), so a deep send queue costs next to no memory; it lets a stream of small messages run
-#: without waking the sender every few messages (docs/protocol.md, "Endpoints").
+#: without waking the sender every few messages (docs/protocol.md, "hmp's endpoints").
 SEND_HWM = 1024
 
 # Plain ints: pyzmq's flag enums cost an enum operation per use, and these are used per frame.
@@ -72,7 +72,7 @@ def tune_malloc(retain_bytes: int = 1 << 30) -> bool:
     libzmq mallocs a buffer for every frame it receives. glibc serves blocks of 32 MiB and more
     (and, in a thread's own arena, anything near its 64 MiB heap size) with a fresh ``mmap`` that
     is unmapped again on free, so every large message costs one page fault per 4 KiB on the
-    receiving I/O thread (docs/protocol.md, "Endpoints").
+    receiving I/O thread (docs/protocol.md, "hmp's endpoints").
     This sets, process-wide, one malloc arena (so the I/O thread shares the main heap), no ``mmap``
     for large blocks, and a trim threshold of ``retain_bytes``: freed receive buffers stay mapped
     and the next message reuses them without faults.

@@ -97,9 +97,10 @@ class Client:
     def _on_overlong(self, m: guard.Overlong) -> None:
         """A reply of more frames than ``limits.max_frames`` (its extra frames dropped unread): the
         request it answers fails with ``too_large``."""
-        exc = guard.overlong_error(m, 1, self.limits)
-        rid = frame_error_rid(m.head)
         self.stats["bytes_in"] += m.nbytes - len(m.head[0])
+        self._bad_reply(frame_error_rid(m.head), guard.overlong_error(m, 1, self.limits))
+
+    def _bad_reply(self, rid: int, exc: ProtocolError) -> None:
         self.warnings.warning("bad_reply", exc.code, error=str(exc), rid=rid)
         fut = self._pending.pop(rid, None)
         if fut is not None and not fut.done():
@@ -111,11 +112,7 @@ class Client:
         try:
             msg = decode(frames, self.limits, resolve=self._shm.resolve)
         except ProtocolError as exc:
-            rid = frame_error_rid(frames)
-            self.warnings.warning("bad_reply", exc.code, error=str(exc), rid=rid)
-            fut = self._pending.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
+            self._bad_reply(frame_error_rid(frames), exc)
             return
         if not self.peer_id:
             self.peer_id = msg.sender
@@ -142,7 +139,7 @@ class Client:
             self.log.exception("on_refused_failed")
 
     async def send(self, msg: Message, track: bool = False, *, lend: bool = False) -> zmq.MessageTracker | None:
-        """Send one message as is (``rid`` 0 for one-way); zero-copy (docs/protocol.md, "Endpoints").
+        """Send one message as is (``rid`` 0 for one-way); zero-copy (docs/protocol.md, "hmp's endpoints").
 
         ``lend``: tensors in this client's shared-memory arena go by reference when the server
         maps it (an earlier request shook hands; no handshake is started here). No reply says

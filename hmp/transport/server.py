@@ -30,7 +30,7 @@ from hmp.transport.trust import Authorize, curve_user, refusal
 
 #: A server gives the memory of a refused message back to the OS (guard.release_memory) when the
 #: message held at least this many bytes, at most once per _RELEASE_EVERY_S: the call walks the
-#: heap, too dear per small message (docs/protocol.md, "Endpoints").
+#: heap, too dear per small message (docs/protocol.md, "hmp's endpoints").
 _RELEASE_AFTER_BYTES = 64 << 20
 _RELEASE_EVERY_S = 1.0
 
@@ -78,7 +78,8 @@ class Server:
         self.bind_address = self.address = address
         self.handlers = dict(handlers)
         self.name, self.eager, self.authorize = name, eager, authorize
-        self.limits, self.curve, self._metrics = settings.limits, settings.security, settings.metrics
+        self.limits, self.frame_bytes, self.curve = settings.limits, settings.frame_bytes, settings.security
+        self._metrics = settings.metrics
         self.max_inflight = self.limits.max_inflight_requests if max_inflight is None else max_inflight
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
@@ -275,7 +276,7 @@ class Server:
         chan = self._chan
         assert chan is not None
         if not chan._waiting:
-            frames = [peer, *encode(Error(code=code, message=text), self.settings.frame_bytes, rid=rid, sender=self.name)]
+            frames = [peer, *encode(Error(code=code, message=text), self.frame_bytes, rid=rid, sender=self.name)]
             try:
                 chan.send_now(frames, False)
                 self.stats["replies"] += 1
@@ -336,7 +337,7 @@ class Server:
                 raise EndpointClosed(f"{self.name} is closed")
             locate, arena, who = self._shm.reply_locate(peer, held, self.stats)
             try:
-                frames = encode(msg, self.settings.frame_bytes, rid=rid, sender=self.name, locate=locate, limits=self.limits)
+                frames = encode(msg, self.frame_bytes, rid=rid, sender=self.name, locate=locate, limits=self.limits)
             except ProtocolError as exc:
                 # A reply the client would refuse (too_large), or none can encode (bad_device, ...):
                 # say so now, rather than leave the client to wait out its timeout.
@@ -353,7 +354,7 @@ class Server:
                 if tracked_error is not None:
                     _notify(tracked_error, False)
                 frames = encode(Error(code=exc.code, message=f"{self.name} could not send its {msg.kind.value!r} "
-                                                             f"reply: {exc}"), self.settings.frame_bytes, rid=rid,
+                                                             f"reply: {exc}"), self.frame_bytes, rid=rid,
                                 sender=self.name)
             if held:
                 assert arena is not None

@@ -1,8 +1,8 @@
 """What counting for the metrics endpoint costs a push/pull round (docs/metrics.md, "Cost").
 
-Two server/client pairs in one process on loopback TCP, identical but for the process metrics
-(:func:`hmp.transport.endpoint.set_process_metrics`): "off" made without, "on" made with a
-``TransportMetrics`` installed, as a daemon with ``[metrics] enabled`` does. Each round is a
+Two server/client pairs in one process on loopback TCP, identical but for their settings'
+metrics (``EndpointSettings.metrics``): "off" made without, "on" made with a ``TransportMetrics``,
+as a daemon with ``[metrics] enabled`` does. Each round is a
 ``Push`` request (``--chunks`` gradients of ``--chunk-bytes``) answered with a ``Params`` reply of the
 same tensors: the per-message path of a worker and a shard (the server counts the request and its
 sender's bytes, the reply's bytes; the client times the round trip into its histogram). Both ends
@@ -33,23 +33,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hmp.messages import Params, Push  # noqa: E402
-from hmp.transport.endpoint import Client, Server, TransportMetrics, set_process_metrics  # noqa: E402
+from hmp.transport import Client, Server, TransportMetrics  # noqa: E402
 
 
 async def _pair(metrics: TransportMetrics | None) -> tuple[Server, Client]:
-    set_process_metrics(metrics)
-    try:
-        async def on_push(msg: Push, peer: bytes) -> Params:
-            return Params(sender="shard", keys=msg.keys, values=msg.grads, version=1)
+    async def on_push(msg: Push, peer: bytes) -> Params:
+        return Params(sender="shard", keys=msg.keys, values=msg.grads, version=1)
 
-        from hmp.messages import Kind
+    from hmp.messages import Kind
 
-        server = Server("tcp://127.0.0.1:0", {Kind.PUSH: on_push}, name="shard", shm=False, job_token="")
-        await server.start()
-        client = Client(server.address, name="worker", shm=False, job_token="")
-        await client.connect()
-    finally:
-        set_process_metrics(None)
+    server = Server("tcp://127.0.0.1:0", {Kind.PUSH: on_push}, name="shard", shm=False, job_token="", metrics=metrics)
+    await server.start()
+    client = Client(server.address, name="worker", shm=False, job_token="", metrics=metrics)
+    await client.connect()
     return server, client
 
 

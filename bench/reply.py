@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from hmp.messages import Kind, Params, Push  # noqa: E402
 from hmp.ps.shard_core import ShardCore  # noqa: E402
-from hmp.transport import endpoint  # noqa: E402
+from hmp.transport import channel  # noqa: E402
 from hmp.transport.endpoint import Client, Reply, Server  # noqa: E402
 
 MiB = 1 << 20
@@ -195,12 +195,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if args.serve:
-        endpoint.tune_malloc()
+        channel.tune_malloc()
         if args.spin:  # the tracker poll before issue 10: asyncio.sleep(0.0005), a spin under uvloop
-            endpoint._TRACK_POLL_S = (0.0005, 0.0005)
+            channel._TRACK_POLL_S = (0.0005, 0.0005)
         uvloop.run(_serve(args.serve.split(","), args.mib * MiB, args.chunk_kib * 1024))
         return
-    endpoint.tune_malloc()
+    channel.tune_malloc()
     res = uvloop.run(_drive(args))
     print(f"PS push round, 2 workers x {args.mib} MiB in {args.chunk_kib} KiB chunks, loopback "
           f"(median of {args.blocks} blocks x {args.rounds} rounds; loadavg {res['loadavg_1m_before_after']})")

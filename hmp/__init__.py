@@ -81,12 +81,12 @@ async def connect(config: Any, scheduler: str, *, token: str | None = None, name
     from hmp.errors import ConfigError, HmpError
     from hmp.messages import Discover
     from hmp.transport import security as sec
-    from hmp.transport.endpoint import Client
+    from hmp.transport import Client, process_settings
 
     cfg = config if isinstance(config, Config) else job.with_env(job.load(config, data=False))
     if token is not None:
         cfg = cfg.replace(job=dataclasses.replace(cfg.job, token=token))
-    if security is None and sec.process_security() is None:
+    if security is None and process_settings().security is None:
         security = sec.from_config(cfg, name, serve=False) or False
     deadline = time.monotonic() + timeout_s
     async with Client(scheduler, name=name, timeout_s=min(timeout_s, cfg.limits.request_timeout_s),

@@ -43,7 +43,7 @@ from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate, evaluate_sweep
 from hmp.transport.codec import Limits
 from hmp.transport import security as sec
-from hmp.transport.endpoint import Client
+from hmp.transport import Client, process_settings
 from hmp.transport.security import Curve
 from hmp.transport.shm import Arena, ShmSettings, open_process_arena
 
@@ -115,7 +115,7 @@ class PSClient:
         """A client of ``cfg``'s model. ``security`` None: this process's CURVE keys if it has any (a
         daemon), else, with ``[security] curve = true``, the keys of ``name`` in the config's
         ``key_dir`` (a missing key file is a ConfigError naming it)."""
-        if security is None and sec.process_security() is None:
+        if security is None and process_settings().security is None:
             security = sec.from_config(cfg, name, serve=False) or False
         from hmp import job  # the job's assembly: only a client built from a config needs it
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from hmp.config import WORKER_ROLES, Config, Role
 from hmp.errors import ConfigError
-from hmp.transport.endpoint import LatencyHistogram, TransportMetrics, process_metrics
+from hmp.transport import LatencyHistogram, TransportMetrics, process_settings
 
 #: A daemon (:class:`hmp.nodes.base.Node`; not imported: the daemons import this module, not the reverse).
 Node = Any
@@ -95,7 +95,7 @@ def snapshot(node: Node) -> dict[str, Metric]:
     now = time.monotonic()
     b.gauge("hmp_uptime_seconds", "seconds since the daemon started", now - node.started, "seconds")
     b.gauge("hmp_step", "the daemon's step as its heartbeats report it (a shard: its version)", node.step)
-    _transport(b, process_metrics(), node)
+    _transport(b, process_settings().metrics, node)
     hb = getattr(node, "heartbeat_rtt", None)
     if isinstance(hb, LatencyHistogram):
         b.histogram("hmp_heartbeat_rtt_seconds", "round trip of this daemon's heartbeats to the scheduler", hb)

@@ -172,8 +172,8 @@ class Ring:
     ring otherwise; ``"auto"``, halving-doubling only where every member is on this host
     (:func:`one_host`), the ring elsewhere. ``stage``: run the algorithm on a host copy of the
     tensor (None: for tensors not on the CPU, i.e. CUDA; True also for CPU tensors, which tests use).
-    ``job_token`` and ``security`` go to the clients to the other members (hmp.transport.endpoint.Client;
-    None: the process's, which a daemon sets: docs/protocol.md, "Trust").
+    ``job_token`` and ``security`` go to the clients to the other members (hmp.transport.Client;
+    None: the process's settings, which a daemon sets: docs/protocol.md, "Trust").
     """
 
     def __init__(self, *, rank: int, addresses: Sequence[str], generation: int, name: str = "ring",
@@ -184,7 +184,7 @@ class Ring:
                  security: Any = None) -> None:
         addresses = tuple(addresses)
         # The members' clients speak for the job: its token and CURVE keys (None: the process's, see
-        # hmp.transport.endpoint.set_process_job_token and hmp.transport.security).
+        # hmp.transport.set_process_settings).
         self._client_trust = {"job_token": job_token, "security": security}
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses must be a non-empty sequence of server addresses, got {addresses!r}")

@@ -16,7 +16,7 @@ A node runs in one ``asyncio.TaskGroup``: the role's ``main()`` and its backgrou
   call at a time, so the event loop keeps answering heartbeats and requests. A caller cancelled
   meanwhile waits for the call to end first: the loop never writes what the thread is reading.
 
-With ``[metrics] enabled`` the node counts its traffic (``set_process_metrics``) and serves its metrics over
+With ``[metrics] enabled`` the node counts its traffic (``EndpointSettings.metrics``) and serves its metrics over
 HTTP from just after its server binds until after it closes (:class:`hmp.metrics.MetricsEndpoint`,
 docs/metrics.md); the heartbeat loop keeps its round trips in ``heartbeat_rtt`` either way.
 
@@ -45,8 +45,8 @@ from hmp.messages import Ack, Heartbeat, Join, Kind, Leave, Message, Shutdown, S
 from hmp.transport.codec import Limits
 from hmp.transport import security
 from hmp.metrics import MetricsEndpoint
-from hmp.transport.endpoint import (Client, Handler, LatencyHistogram, Server, TransportMetrics, set_process_job_token,
-                                    set_process_metrics)
+from hmp.transport import (Client, EndpointSettings, Handler, LatencyHistogram, Server, TransportMetrics,
+                           set_process_settings)
 
 T = TypeVar("T")
 #: Heartbeat intervals without an answer after which a node declares its scheduler lost (and fails).
@@ -315,20 +315,17 @@ class Node:
         except HmpError:
             self._compute_pool.shutdown(wait=False)
             raise
-        set_process_job_token(self.cfg.job.token)
-        security.set_process_security(curve)
-        if self.cfg.metrics.enabled:  # before the server: every endpoint opened from now on counts
-            set_process_metrics(TransportMetrics())
-        self.server = Server(self.node.bind, self.handlers(), name=self.id, limits=self.limits,
-                             frame_bytes=self.cfg.limits.frame_bytes, job_token=self.cfg.job.token,
+        settings = EndpointSettings(limits=self.limits, frame_bytes=self.cfg.limits.frame_bytes,
+                                    job_token=self.cfg.job.token, security=curve,
+                                    metrics=TransportMetrics() if self.cfg.metrics.enabled else None)
+        set_process_settings(settings)  # before the server: every endpoint opened from now on counts
+        self.server = Server(self.node.bind, self.handlers(), name=self.id, settings=settings,
                              authorize=self.authorize)
         try:
             await self.server.start()
         except zmq.ZMQError as exc:
             self.server = None
-            set_process_job_token("")
-            security.set_process_security(None)
-            set_process_metrics(None)
+            set_process_settings(None)
             self._compute_pool.shutdown(wait=False)
             if exc.errno == zmq.EADDRINUSE:
                 raise ConfigError(self.cfg.path, f"nodes[id={self.id}].bind",
@@ -343,8 +340,6 @@ class Node:
                 self.metrics_endpoint = await MetricsEndpoint.start(self)
             except ConfigError:  # port taken, or no prometheus-client: exit 2, after closing what is open
                 await self.shutdown()
-                set_process_job_token("")
-                security.set_process_security(None)
                 raise
             self.log.info("metrics_serving", url=self.metrics_endpoint.url)
         try:
@@ -356,8 +351,6 @@ class Node:
         finally:
             self._task_group = self._main_task = None
             await self.shutdown()
-            set_process_job_token("")
-            security.set_process_security(None)
         self.log.info("stopped", failed=self.failed)
         if self.config_error is not None:  # hmp.nodes.main prints it as the one line and exits 2
             raise self.config_error
@@ -391,6 +384,6 @@ class Node:
         if self.metrics_endpoint is not None:  # after the sockets: scrapes still answer while they close
             endpoint, self.metrics_endpoint = self.metrics_endpoint, None
             await endpoint.stop()
-        set_process_metrics(None)
+        set_process_settings(None)  # this process's endpoints no longer speak for the job
         # A call still running (main() was cancelled mid-step) finishes on its own; the process exits after it.
         self._compute_pool.shutdown(wait=False, cancel_futures=True)

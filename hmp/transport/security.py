@@ -137,27 +137,6 @@ def from_config(cfg: Any, name: str, *, serve: bool = True) -> Curve | None:
                       config_path=str(cfg.path))
 
 
-_process: Curve | None = None
-
-
-def set_process_security(curve: Curve | None) -> None:
-    """The CURVE settings of this process's endpoints that are given none (``security=None``); a
-    daemon sets them once (:meth:`hmp.nodes.base.Node.run`), so every socket it opens uses them."""
-    global _process
-    _process = curve
-
-
-def process_security() -> Curve | None:
-    return _process
-
-
-def resolve(option: Curve | bool | None) -> Curve | None:
-    """What an endpoint's ``security`` option means: a Curve, False (plain), None (the process's)."""
-    if option is None or option is True:
-        return _process
-    return None if option is False else option
-
-
 def sender_bound(sender: str, user: str, curve: Curve) -> bool:
     """Whether a message claiming ``sender`` may come over a connection authenticated as key ``user``:
     the key's own name, or a name of its own clients (``user-...``, e.g. ``cpu0-eval``, ``cpu0->1``)
@@ -349,5 +328,4 @@ class HandshakeWatch:
 
 
 __all__ = ["Curve", "HandshakeFailed", "HandshakeWatch", "KeyAuthenticator", "SERVER_KEY", "acquire_authenticator",
-           "from_config", "process_security", "release_authenticator", "resolve", "sender_bound",
-           "set_process_security"]
+           "from_config", "release_authenticator", "sender_bound"]

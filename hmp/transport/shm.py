@@ -3,7 +3,7 @@
 When two endpoints run on the same host, a tensor that lies in a shared-memory segment travels as a
 reference (segment, offset) in the message header and the receiver reads it in place: ZeroMQ
 carries only the header (docs/shm.md; the wire rules are in docs/protocol.md, "Shared memory").
-This module owns the memory; :mod:`hmp.transport.endpoint` decides, per peer, when to use it.
+This module owns the memory; :mod:`hmp.transport.shm_link` decides, per peer, when to use it.
 
 * A segment is a file ``<dir>/hmp.<job>.<owner>.<tag>.<n>`` (``dir`` is ``/dev/shm`` by default,
   a tmpfs: the file's pages are the memory), mapped with ``mmap`` and seen as numpy/torch arrays.

@@ -147,7 +147,7 @@ import torch
 from hmp.errors import RemoteError
 from hmp.messages import Ack, Kind, Tensors
 from hmp.transport.codec import Limits
-from hmp.transport.endpoint import Client, Server, tune_malloc
+from hmp.transport import Client, Server, tune_malloc
 from hmp.transport.guard import release_memory
 
 def rss_mib():

@@ -24,7 +24,7 @@ from hmp.errors import ConfigError
 from hmp.job import load
 from hmp.metrics import snapshot, url_file
 from hmp.nodes.base import Node
-from hmp.transport.endpoint import process_metrics
+from hmp.transport import process_settings
 
 from tests.support import free_port, write_config
 
@@ -162,7 +162,7 @@ async def test_an_endpoint_serves_survives_bad_requests_and_stops_with_its_daemo
     assert _refused(url)
     assert _metrics_threads() == []
     assert not url_file(cfg, "ps0").exists()
-    assert process_metrics() is None
+    assert process_settings().metrics is None
 
 
 async def test_metrics_are_off_by_default_and_bind_nothing(tmp_path):
@@ -171,7 +171,7 @@ async def test_metrics_are_off_by_default_and_bind_nothing(tmp_path):
     node = Node(cfg, "ps0")
     task = await _serve(node)
     try:
-        assert node.metrics_endpoint is None and process_metrics() is None
+        assert node.metrics_endpoint is None and process_settings().metrics is None
         assert _metrics_threads() == []
         assert not (cfg.report_dir / "metrics").exists()
     finally:
@@ -190,7 +190,7 @@ async def test_a_taken_metrics_port_is_a_config_error_naming_the_key(tmp_path):
         with pytest.raises(ConfigError, match=r"metrics\.port.*port %d" % port):
             await asyncio.wait_for(node.run(), 20)
         assert node.server is not None and not node.server.reading  # closed again
-        assert process_metrics() is None and _metrics_threads() == []
+        assert process_settings().metrics is None and _metrics_threads() == []
         proc = await asyncio.to_thread(
             subprocess.run, [sys.executable, "-m", "hmp.nodes.main", "ps", "--config", str(path), "--id", "ps0"],
             cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "HMP_FORKSERVER": "0"})

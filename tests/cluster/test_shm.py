@@ -30,7 +30,7 @@ from hmp.messages import Ack, Kind, ShmHello, Tensors
 from hmp.nodes.forkserver import ForkedProcess, ForkServer
 from hmp.transport import shm
 from hmp.transport.codec import DTYPES, decode, encode
-from hmp.transport.endpoint import Client, Server
+from hmp.transport import Client, Server
 
 from tests.support import free_port
 
@@ -320,22 +320,21 @@ async def test_peers_without_shared_memory_still_work(arenas):
                 assert not client.shm_active and client.stats["shm_bytes_out"] == 0
 
 
-async def test_a_server_that_opens_its_arena_later_is_asked_again(arenas, monkeypatch):
-    from hmp.transport import endpoint
+async def test_a_server_that_opens_its_arena_later_is_asked_again(job, arenas, monkeypatch):
+    from hmp.transport import shm_link
 
-    monkeypatch.setattr(endpoint, "_SHM_RETRY_S", 0.2)
+    monkeypatch.setattr(shm_link, "RETRY_S", 0.2)
     cli_arena = arenas("cli")
     x = cli_arena.alloc(1 << 16)
 
     async def handler(msg, peer):
         return Ack()
 
-    async with Server("tcp://127.0.0.1:0", {Kind.TENSORS: handler}, shm=False) as server:
-        async with Client(server.address, timeout_s=10) as client:  # the process arena: none here
-            client.shm = cli_arena
+    async with Server("tcp://127.0.0.1:0", {Kind.TENSORS: handler}) as server:  # the process arena: none yet
+        async with Client(server.address, shm=cli_arena, timeout_s=10) as client:
             await client.request(Tensors(name="x", tensors=(x,)))
             assert not client.shm_active  # the server offers none (yet)
-            server.shm = arenas("srv")
+            assert shm.open_process_arena(job, "srv") is not None
             await client.request(Tensors(name="x", tensors=(x,)))
             assert not client.shm_active  # not asked again so soon
             await asyncio.sleep(0.3)
@@ -372,7 +371,7 @@ async def test_a_server_that_lost_the_agreement_gets_the_request_again_inline(ar
             x = cli_arena.alloc(1 << 16)
             x.fill_(1.0)
             await client.request(Tensors(name="x", tensors=(x,)))
-            server._shm_peers.clear()  # as if the server had restarted
+            server._shm.peers.clear()  # as if the server had restarted
             await client.request(Tensors(name="x", tensors=(x,)))  # refused (bad_shm), then sent inline
             assert not client.shm_active and server.stats["errors"] == 1
             await client.request(Tensors(name="x", tensors=(x,)))  # shakes hands again
@@ -390,7 +389,7 @@ async def test_the_process_arena_is_used_once_a_request_carries_its_memory(job):
     async with Server("tcp://127.0.0.1:0", {Kind.TENSORS: handler}) as server:
         async with Client(server.address, timeout_s=10) as client:
             await client.request(Tensors(name="x", tensors=(torch.zeros(1 << 16),)))
-            assert client._shm_state == "new"  # nothing in the arena yet: no handshake
+            assert client._shm.state == "new"  # nothing in the arena yet: no handshake
             await client.request(Tensors(name="x", tensors=(arena.alloc(1 << 16),)))
             assert client.shm_active and client.stats["shm_bytes_out"] == 1 << 18
 

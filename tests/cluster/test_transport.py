@@ -23,7 +23,7 @@ from hmp.errors import EndpointClosed, PeerLost, ProtocolError, RemoteError, Req
 from hmp.messages import Ack, Error, Heartbeat, Kind, Pull, RingPiece, Tensors
 from hmp.transport import eager as eager_start
 from hmp.transport.codec import DTYPES, Limits, decode, encode
-from hmp.transport.endpoint import Client, Reply, Server, hwm_for, wait_sent
+from hmp.transport import Client, Reply, Server, hwm_for, wait_sent
 
 
 async def echo(msg, peer):
@@ -279,7 +279,7 @@ async def test_close_cancels_suspended_eager_handlers_after_grace(tcp_address):
 
 _FAULT_PROBE = """
 import resource, sys, zmq, torch
-from hmp.transport.endpoint import tune_malloc
+from hmp.transport import tune_malloc
 applied = tune_malloc() if sys.argv[1] == "tuned" else False
 ctx = zmq.Context()
 rx, tx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)

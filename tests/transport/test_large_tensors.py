@@ -17,7 +17,7 @@ import torch
 from hmp.errors import ProtocolError, RemoteError
 from hmp.messages import Ack, Kind, Tensors
 from hmp.transport.codec import DEFAULT_FRAME_BYTES, Limits, encode
-from hmp.transport.endpoint import Client, Reply, Server
+from hmp.transport import Client, Reply, Server
 
 GiB = 1 << 30
 #: Over 2 GiB (past any 32-bit size or offset), a whole number of int64 words and of 64 MiB frames plus a part

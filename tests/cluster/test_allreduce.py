@@ -18,8 +18,6 @@ pytestmark = pytest.mark.cluster
 BIN = str(Path(sys.executable).parent / "hmp-launch")  # the console script of the environment under test
 
 
-
-
 def test_allreduce_job_trains_digits_through_hmp_launch(tmp_path):
     """bin/hmp-launch trains the digits MLP with four workers and no PS to >= 95% (on one host: buckets above
     small_bytes by halving-doubling, docs/collective.md); the replicas end bit-identical."""

@@ -36,8 +36,6 @@ from tests.support import client_of, daemon_env, running, shard_grads, shard_job
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 def _core(seed: float = 0.0) -> ShardCore:
     chunks = {0: torch.arange(64, dtype=torch.float32) / 7 + seed, 3: torch.linspace(-1, 1, 33)}
     core = ShardCore("ps0", chunks, "adam", {"lr": 0.01})
@@ -145,11 +143,6 @@ def test_a_checkpoint_records_what_a_report_needs(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the daemon, in this process
-
-
-
-
-
 
 
 async def _until(predicate, timeout_s: float = 5.0, what: str = "") -> None:

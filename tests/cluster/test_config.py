@@ -27,37 +27,7 @@ role = "cpu_worker"
 """
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 PIPELINE = (ROOT / "conf/click_pipeline.toml").read_text()
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def test_a_read_only_report_folder_is_a_config_error_for_root_too(tmp_path):
@@ -76,7 +46,3 @@ def test_a_read_only_report_folder_is_a_config_error_for_root_too(tmp_path):
         assert info.value.key == "job.report_dir" and f"{ro} is not writable" in info.value.expected
     finally:
         subprocess.run(["umount", str(ro)], check=True)
-
-
-
-

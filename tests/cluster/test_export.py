@@ -61,18 +61,6 @@ def schema_errors(value, schema: dict, where: str = "report") -> list[str]:
     return errors
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 USER_MODELS = """
 import torch
 from torch import nn
@@ -91,14 +79,6 @@ class TwoTower(nn.Module):
 def make(width=8):
     return TwoTower(width)
 """
-
-
-
-
-
-
-
-
 
 
 def ring_config(tmp: Path, target: float) -> Path:

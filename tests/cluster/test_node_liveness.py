@@ -14,14 +14,6 @@ from hmp.job import load
 from tests.support import free_port, write_config
 
 
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- real daemons
 
 @pytest.mark.cluster

@@ -18,22 +18,7 @@ CLICK = (click_model, dict(fields=4, buckets=50, dim=8, hidden=(32, 16)), lambda
 MLP = (deep_mlp, dict(in_features=12, width=24, depth=4, classes=5), lambda n: torch.randn(n, 12))
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- real jobs
-
 
 
 @pytest.mark.cluster

@@ -3,7 +3,6 @@ CPU sharing, and fits that recover known costs from measurements the model itsel
 
 from __future__ import annotations
 
-
 import pytest
 
 from hmp.placement.calibration import (StageLoad)
@@ -14,30 +13,6 @@ pytestmark = pytest.mark.timeout(60)
 
 MS = 1e-3
 TWO_STAGES = [StageLoad("cpu", 1 * MS, workers=2, param_bytes=1e6), StageLoad("accel", 3 * MS, workers=1, param_bytes=2e5)]
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @pytest.mark.cluster

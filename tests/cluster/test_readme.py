@@ -30,5 +30,3 @@ def test_readme_api_example_trains(tmp_path):
     # 0.9 target fired may move it a little either way (as in tests/test_cluster.py: 3 points).
     assert acc >= 0.87
     assert "cpu0" in proc.stdout and "gpu0" in proc.stdout
-
-

@@ -28,34 +28,8 @@ ADAM = 'name = "adam"\nlr = 0.01'
 SGD = 'name = "sgd"\nlr = 0.01'
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- the scheduler core
 REPLICATED = "[ps]\nreplicas = 2"  # into _cfg's [job] lines: its own section
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------- a job on loopback

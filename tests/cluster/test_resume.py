@@ -20,8 +20,6 @@ from hmp.nodes.scheduler import SchedulerNode
 from tests.support import Daemons, check_sections, write_config
 
 
-
-
 async def test_a_resumed_job_trains_only_the_remaining_epochs_and_appends_to_its_report(tmp_path):
     path = write_config(tmp_path, consistency="async", target=0.0, epochs=2, policy="hogbatch")
     path.write_text(path.read_text() + "\n[shm]\nenabled = false\n")
@@ -68,5 +66,3 @@ async def test_a_resumed_job_trains_only_the_remaining_epochs_and_appends_to_its
     check_sections(second, ("resumed", "final", "series"))
     # Every example of the four epochs trained exactly once over the two parts.
     assert sum(second["workers"][w]["samples"] for w in ("cpu0", "gpu0")) == 4 * n_train
-
-

@@ -15,7 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-
 from hmp.ps.shard_core import ShardCore
 
 from tests.support import Daemons, HB_JOB, until, write_config
@@ -23,35 +22,13 @@ from tests.support import Daemons, HB_JOB, until, write_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- the scheduler core
 RESTARTS = "restarts = { ps = 1 }"
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------- real daemons
 SLOW = 'name = "sgd"\nlr = 0.02'  # the job must outlast the crash, its detection and the restart by far
 CHECKPOINT_EVERY = 20
-
-
-
-
 
 
 def _job(tmp: Path, join_timeout_s: float = 60) -> Path:
@@ -68,8 +45,6 @@ def _checkpoint_version(path: Path) -> int:
         return int(ShardCore.read(path)["version"])
     except Exception:  # not written yet, or being replaced
         return -1
-
-
 
 
 def _start_job(d: Daemons) -> None:
@@ -129,10 +104,6 @@ async def test_a_killed_shard_that_is_not_restarted_fails_the_job_after_join_tim
         assert join_timeout_s < waited < join_timeout_s + 3 * HB_JOB + 10
         for n in ("cpu0", "gpu0", "ps1"):  # told the job is over: they stop, none needs SIGKILL
             d.procs[n].wait(timeout=20)
-
-
-
-
 
 
 async def test_the_launcher_restarts_a_killed_shard_which_resumes_and_the_job_completes(tmp_path):

@@ -84,24 +84,6 @@ bind = "tcp://127.0.0.1:{free_port()}"
     return path
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 @pytest.mark.parametrize("consistency", ["async", "sync"])
 async def test_a_sparse_click_job_trains_and_pushes_only_the_touched_rows(tmp_path, consistency):
     from hmp.cluster import LocalCluster
@@ -122,9 +104,3 @@ async def test_a_sparse_click_job_trains_and_pushes_only_the_touched_rows(tmp_pa
         # 32 examples x 4 fields touch at most 128 of the 200 rows (and fewer unique): well under the table.
         assert per_push < dense_bytes - table_bytes + 128 * (DIM * 4 + 8), (per_push, dense_bytes)
         assert per_push < 0.75 * dense_bytes
-
-
-
-
-
-

@@ -140,8 +140,6 @@ async def test_two_jobs_on_one_port_the_second_fails_fast_and_the_first_complete
     assert report["final"]["best_reported_accuracy"] >= 0.5
 
 
-
-
 def _keys(folder: Path, *names: str, clients: tuple[str, ...] = ()) -> Path:
     from hmp.keygen import main as keygen
 
@@ -150,8 +148,6 @@ def _keys(folder: Path, *names: str, clients: tuple[str, ...] = ()) -> Path:
         argv += ["--client", c]
     assert keygen(argv) == 0
     return folder
-
-
 
 
 async def test_a_job_with_curve_on_trains_to_its_target_and_refuses_a_wrong_key(tmp_path):

@@ -94,8 +94,6 @@ async def test_arguments_are_checked():
     await solo.close()
 
 
-
-
 # ============================================================================ in-process rings
 
 class Local:
@@ -577,13 +575,3 @@ def test_a_member_killed_mid_op_breaks_the_ring_within_the_timeout(members):
     RingBroken naming member 2 within about timeout_s, not a hang. (Last: it kills a member.)"""
     outs = _kill_mid_op(members, 3, victim=2)
     assert all(kind == "error" and name == "RingBroken" and member == 2 for kind, name, member, _ in outs), outs
-
-
-# ============================================================================ gradient buckets
-
-
-
-
-
-
-

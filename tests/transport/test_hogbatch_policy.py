@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-
-
 from hmp.batching.adapter import PolicyAdapter
 from hmp.batching.simulator import SimWorker
 from hmp.job import load
@@ -14,66 +12,7 @@ CPU_GPU = [("c0", "cpu"), ("g0", "gpu")]
 TEN_X = {"c0": SimWorker("cpu", 1000.0), "g0": SimWorker("gpu", 10_000.0)}
 
 
-
-
-
-
-# ----------------------------------------------------------------------------- sync baseline
-
-
-
-
-
-# ----------------------------------------------------------------------------- static Hogbatch
-
-
-
-
-
-# ----------------------------------------------------------------------------- adaptive Hogbatch
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ----------------------------------------------------------------------------- workers coming and going
-
-
-
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------- factory and validation
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def test_a_worker_dropped_as_stale_before_it_joined_can_still_join(tmp_path):

@@ -240,8 +240,6 @@ def test_batch_size_can_change_between_runs():
     assert (stats.updates, stats.batch_size) == (4, 64)
 
 
-
-
 def test_run_leaves_the_intra_op_thread_count_alone():
     """run() never changes torch's process-wide intra-op thread count (a daemon sets it once, at start)."""
     torch.set_num_threads(2)  # the fixture puts the old value back
@@ -254,7 +252,3 @@ def test_run_leaves_the_intra_op_thread_count_alone():
 
     HogwildTrainer(small_model(), threads=2, lr=0.05, batch_size=8, loss_fn=loss_fn).run(X, y, max_updates=4)
     assert seen == {2} and torch.get_num_threads() == 2
-
-
-
-

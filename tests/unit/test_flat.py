@@ -183,7 +183,6 @@ def test_flatten_and_param_views_round_trip() -> None:
     assert model[0].weight.abs().sum() > 0  # a copy, not an alias
 
 
-
 def test_mismatched_model_and_bad_inputs_are_rejected() -> None:
     """Binding a different model, chunk_bytes below one element, or views of the wrong dtype raise ValueError."""
     layout = FlatLayout.from_model(small_model())

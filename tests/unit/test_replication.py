@@ -18,8 +18,6 @@ def _pair(optimizer: str = "adam", consistency: str = "async") -> tuple[ShardCor
     return make(), make()
 
 
-
-
 def test_a_backup_fed_the_forwarded_pushes_is_a_bit_identical_copy_with_adam():
     primary, backup = _pair("adam")
     gen = torch.Generator().manual_seed(7)

@@ -14,12 +14,6 @@ from tests.support import SCHEDULER_HB, SCRIPTED_WORKERS, running_scheduler, sch
 S = MemberState
 
 
-
-
-
-
-
-
 def _changes(events) -> list[tuple[str, S, S, bool]]:
     return [(e.change.node, e.change.old, e.change.new, e.roster) for e in events if isinstance(e, MemberChanged)]
 

@@ -15,6 +15,9 @@ torch.set_num_threads(1)  # the test process shares 2 cores with the daemons it 
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "transport", "cluster")
+#: Modules whose tests make emulated hosts (fixed subnets) or Ray instances: under pytest-xdist they all run in
+#: one test process, one at a time, as they would without xdist.
+ONE_AT_A_TIME = {"test_emulate", "test_ray", "test_jobs", "test_trust"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,6 +27,8 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/transport or tests/cluster")
         item.add_marker(tier)
+        if Path(item.fspath).stem in ONE_AT_A_TIME:
+            item.add_marker(pytest.mark.xdist_group("hosts"))
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -21,14 +21,16 @@ ONE_AT_A_TIME = {"test_emulate", "test_ray", "test_jobs", "test_trust"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test with its tier, read from its folder, so `-m unit` and `tests/unit` select the same."""
+    """Mark every test with its tier, read from its folder, so `-m unit` and `tests/unit` select the same; and
+    with its xdist group: a module's tests stay in one test process (module fixtures are made once), and the
+    modules in ONE_AT_A_TIME share one."""
     for item in items:
-        tier = Path(item.fspath).relative_to(TESTS).parts[0]
+        path = Path(item.fspath)
+        tier = path.relative_to(TESTS).parts[0]
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/transport or tests/cluster")
         item.add_marker(tier)
-        if Path(item.fspath).stem in ONE_AT_A_TIME:
-            item.add_marker(pytest.mark.xdist_group("hosts"))
+        item.add_marker(pytest.mark.xdist_group("hosts" if path.stem in ONE_AT_A_TIME else f"{tier}/{path.stem}"))
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -18,8 +18,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from hmp.config import loads
+from hmp.transport.codec import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "docs" / "report.schema.json"
@@ -63,8 +65,6 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free loopback port in [{low}, {high})")
-
-
 SGD = 'name = "sgd"\nlr = 0.05\nmomentum = 0.9'
 HB_JOB = 0.3  # the heartbeat interval of digits_job_text's jobs (seconds)
 
@@ -408,3 +408,219 @@ def running_scheduler(now=0.0, **kw):
         assert isinstance(core.join(w, role, f"tcp://{w}", 2, now), Admitted)
     core.take_events()
     return core
+
+
+# ----------------------------------------------------------------------------- ring members' inputs
+DTYPE_NAMES = [d for d in DTYPES if d != "bool"]
+INT_RANGE = {"uint8": (0, 50), "int8": (-25, 25)}  # sums of 4 stay in range: exact comparisons
+TOL = {"float16": (1e-2, 2e-2), "bfloat16": (5e-2, 1e-1), "float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12)}
+
+
+def ring_inputs(dtype: str, numel: int, rank: int, seed: int) -> torch.Tensor:
+    """Member ``rank``'s deterministic input (the parent recomputes it for the expected sum)."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    d = DTYPES[dtype]
+    if d.is_floating_point:
+        return torch.randn(numel, generator=g, dtype=torch.float64).to(d)
+    lo, hi = INT_RANGE.get(dtype, (-1000, 1000))
+    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(d)
+
+
+def check_ring_sum(results: list[torch.Tensor], dtype: str, numel: int, seed: int, where: str) -> None:
+    """Every member's result is bit-identical, and equal to the sum (exact for integers)."""
+    n = len(results)
+    first = results[0]
+    for r, t in enumerate(results):
+        assert t.dtype == DTYPES[dtype] and t.shape == (numel,), where
+        assert tensor_bits(t) == tensor_bits(first), f"{where}: member {r}'s result differs bitwise from member 0's"
+    exact = sum(ring_inputs(dtype, numel, r, seed).to(torch.float64) for r in range(n))
+    if DTYPES[dtype].is_floating_point:
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(first.to(torch.float64), exact, rtol=rtol, atol=atol * n, msg=where)
+    else:
+        assert torch.equal(first.to(torch.int64), exact.to(torch.int64)), where
+
+
+def tensor_bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bits(b: bytes, dtype: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(DTYPES[dtype]) if b else torch.empty(0, dtype=DTYPES[dtype])
+
+
+# -------------------------------------------------------------------------------- sparse click jobs
+
+
+FIELDS, BUCKETS, DIM = 4, 50, 8  # the sparse click model: fields, buckets per field, embedding width
+TABLE = "0.table.weight"
+OPTIMIZERS = {"sgd": 'name = "sgd"\nlr = 0.1', "adagrad": 'name = "adagrad"\nlr = 0.1',
+              "adam": 'name = "adam"\nlr = 0.01'}
+
+
+def sparse_click_config(tmp: Path, *, optimizer: str = "adam", consistency: str = "async", shards: int = 1,
+            workers: tuple[str, ...] = ("cpu0",), ps_extra: str = "", node_extra: str = "",
+            train_extra: str = "", samples: int = 2000) -> Path:
+    """A click job with a row-sparse table of ``FIELDS * BUCKETS`` rows of ``DIM`` (chunks of 32 rows) on
+    loopback; shard ports fixed so that tests can dial them."""
+    text = f"""
+[job]
+name = "sparse"
+report_dir = "{tmp / 'run'}"
+heartbeat_interval_s = 0.25
+join_timeout_s = 60
+
+[model]
+name = "click_model"
+args = {{ fields = {FIELDS}, buckets = {BUCKETS}, dim = {DIM}, hidden = [16], sparse = true }}
+
+[data]
+kind = "click"
+samples = {samples}
+args = {{ fields = {FIELDS}, buckets = {BUCKETS} }}
+
+[optimizer]
+{OPTIMIZERS[optimizer]}
+
+[train]
+consistency = "{consistency}"
+batch_size = 32
+epochs = 2
+target_accuracy = 0.0
+max_seconds = 60
+eval_every_s = 0.5
+report_interval_s = 0.3
+{train_extra}
+
+[ps]
+chunk_bytes = 1024
+table_chunk_bytes = 0  # the tables too: several chunks per table, on both shards
+checkpoint_dir = "{tmp / 'ckpt'}"
+{ps_extra}
+
+[shm]
+enabled = false
+
+[[nodes]]
+id = "scheduler"
+role = "scheduler"
+bind = "tcp://127.0.0.1:{free_port()}"
+"""
+    for i in range(shards):
+        text += f'\n[[nodes]]\nid = "ps{i}"\nrole = "ps"\nbind = "tcp://127.0.0.1:{free_port()}"\n'
+    for w in workers:
+        text += f'\n[[nodes]]\nid = "{w}"\nrole = "cpu_worker"\nbatch_size = 32\n{node_extra}\n'
+    path = tmp / "job.toml"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------ the report's schema
+REPORT_SCHEMA = json.loads(SCHEMA.read_text())
+TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def schema_errors(value, schema: dict, where: str = "report") -> list[str]:
+    """What of ``value`` breaks ``schema``: the JSON Schema subset docs/report.schema.json uses (type, enum,
+    required, properties, patternProperties, additionalProperties, items), by hand (no jsonschema here)."""
+    import re
+
+    errors: list[str] = []
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+
+        def fits(t: str) -> bool:
+            if t == "integer":
+                return isinstance(value, int) and not isinstance(value, bool) or (
+                    isinstance(value, float) and value.is_integer())
+            if t == "number":
+                return isinstance(value, (int, float)) and not isinstance(value, bool)
+            return isinstance(value, TYPES[t])
+
+        if not any(fits(t) for t in types):
+            return [f"{where}: {type(value).__name__} {value!r:.60}, expected {types}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{where}: {value!r} not one of {schema['enum']}")
+    if isinstance(value, dict):
+        errors += [f"{where}: lacks {k!r}" for k in schema.get("required", ()) if k not in value]
+        props, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+        extra = schema.get("additionalProperties", True)
+        for k, v in value.items():
+            sub = props.get(k) or next((p for pat, p in patterns.items() if re.search(pat, k)), None)
+            if sub is None:
+                if extra is False:
+                    errors.append(f"{where}: key {k!r} is not in the schema (document it: docs/report.md)")
+                    continue
+                sub = extra if isinstance(extra, dict) else {}
+            errors += schema_errors(v, sub, f"{where}.{k}")
+    if isinstance(value, list) and "items" in schema:
+        for i, v in enumerate(value):
+            errors += schema_errors(v, schema["items"], f"{where}[{i}]")
+    return errors
+
+
+# ------------------------------------------------------------------------------ a user's model file
+USER_MODELS = """
+import torch
+from torch import nn
+
+
+class TwoTower(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.left, self.right = nn.Linear(64, width), nn.Linear(64, width)
+        self.head = nn.Linear(2 * width, 10)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.left(x).relu(), self.right(x).tanh()], 1))
+
+
+def make(width=8):
+    return TwoTower(width)
+"""
+
+
+# ------------------------------------------------------------------------------------- config texts
+GOOD_CONFIG = """
+[train]
+consistency = "sync"
+[[nodes]]
+id = "s"
+role = "scheduler"
+bind = "tcp://127.0.0.1:5999"
+[[nodes]]
+id = "p"
+role = "ps"
+[[nodes]]
+id = "w"
+role = "cpu_worker"
+"""
+
+
+# --------------------------------------------------------------------------------------- CURVE keys
+
+
+def curve_keys(folder: Path, *names: str, clients: tuple[str, ...] = ()) -> Path:
+    from hmp.keygen import main as keygen
+
+    argv = [str(folder), "--nodes", *names]
+    for c in clients:
+        argv += ["--client", c]
+    assert keygen(argv) == 0
+    return folder
+
+
+# -------------------------------------------------------------------------- a small Hogwild problem
+
+
+def small_problem(n: int = 256):
+    """``[n, 8]`` features and ``[n]`` labels in 3 classes that a linear map of X predicts."""
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(n, 8, generator=gen)
+    return X, (X @ torch.randn(8, 3, generator=gen)).argmax(1)
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -17,49 +17,8 @@ import torch
 from hmp.collective import Ring, RingHost
 from hmp.errors import RemoteError
 from hmp.messages import Kind, RingPiece
-from hmp.transport.codec import DTYPES
 from hmp.transport.endpoint import Client, Server
-
-DTYPE_NAMES = [d for d in DTYPES if d != "bool"]
-
-
-INT_RANGE = {"uint8": (0, 50), "int8": (-25, 25)}  # sums of 4 stay in range: exact comparisons
-
-
-TOL = {"float16": (1e-2, 2e-2), "bfloat16": (5e-2, 1e-1), "float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12)}
-
-
-def _inputs(dtype: str, numel: int, rank: int, seed: int) -> torch.Tensor:
-    """Member ``rank``'s deterministic input (the parent recomputes it for the expected sum)."""
-    g = torch.Generator().manual_seed(seed * 1009 + rank)
-    d = DTYPES[dtype]
-    if d.is_floating_point:
-        return torch.randn(numel, generator=g, dtype=torch.float64).to(d)
-    lo, hi = INT_RANGE.get(dtype, (-1000, 1000))
-    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(d)
-
-
-def _check_sum(results: list[torch.Tensor], dtype: str, numel: int, seed: int, where: str) -> None:
-    """Every member's result is bit-identical, and equal to the sum (exact for integers)."""
-    n = len(results)
-    first = results[0]
-    for r, t in enumerate(results):
-        assert t.dtype == DTYPES[dtype] and t.shape == (numel,), where
-        assert _bits(t) == _bits(first), f"{where}: member {r}'s result differs bitwise from member 0's"
-    exact = sum(_inputs(dtype, numel, r, seed).to(torch.float64) for r in range(n))
-    if DTYPES[dtype].is_floating_point:
-        rtol, atol = TOL[dtype]
-        torch.testing.assert_close(first.to(torch.float64), exact, rtol=rtol, atol=atol * n, msg=where)
-    else:
-        assert torch.equal(first.to(torch.int64), exact.to(torch.int64)), where
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _from_bits(b: bytes, dtype: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(DTYPES[dtype]) if b else torch.empty(0, dtype=DTYPES[dtype])
+from tests.support import DTYPE_NAMES, check_ring_sum, ring_inputs, tensor_bits, tensor_from_bits
 
 
 def _member(index: int, conn: Any) -> None:
@@ -112,7 +71,7 @@ async def _member_main(index: int, conn: Any) -> None:
                 _, cases, concurrent = cmd
                 ring = host.ring
                 assert ring is not None
-                ts = [_inputs(d, n, index, seed) for d, n, op, seed in cases]
+                ts = [ring_inputs(d, n, index, seed) for d, n, op, seed in cases]
                 calls = [ring.all_reduce(t, op) for t, (_, _, op, _) in zip(ts, cases)]
                 t0 = time.monotonic()
                 if concurrent:
@@ -129,7 +88,7 @@ async def _member_main(index: int, conn: Any) -> None:
                     if isinstance(o, BaseException):
                         reply.append(("error", type(o).__name__, getattr(o, "blamed", None), str(o)))
                     else:
-                        reply.append(("ok", _bits(o)))
+                        reply.append(("ok", tensor_bits(o)))
                 conn.send((reply, dict(ring.stats), time.monotonic() - t0))
             elif what == "kill_after":
                 kill_after[:] = [cmd[1]]
@@ -217,7 +176,7 @@ def _run_cases(members: Members, size: int, cases: list[tuple[str, int, int, int
     for k, (dtype, numel, op, seed) in enumerate(cases):
         outs = [r[0][k] for r in replies]
         assert all(o[0] == "ok" for o in outs), (dtype, numel, op, outs)
-        _check_sum([_from_bits(o[1], dtype) for o in outs], dtype, numel, seed,
+        check_ring_sum([tensor_from_bits(o[1], dtype) for o in outs], dtype, numel, seed,
                    f"{size} members, {dtype}[{numel}] op {op}")
     return [r[1] for r in replies]
 

@@ -8,23 +8,9 @@ import pytest
 
 from hmp.job import loads
 from hmp.errors import ConfigError
+from tests.support import GOOD_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
-
-GOOD = """
-[train]
-consistency = "sync"
-[[nodes]]
-id = "s"
-role = "scheduler"
-bind = "tcp://127.0.0.1:5999"
-[[nodes]]
-id = "p"
-role = "ps"
-[[nodes]]
-id = "w"
-role = "cpu_worker"
-"""
 
 
 PIPELINE = (ROOT / "conf/click_pipeline.toml").read_text()
@@ -42,7 +28,7 @@ def test_a_read_only_report_folder_is_a_config_error_for_root_too(tmp_path):
         pytest.skip("needs root to mount a read-only tmpfs")
     try:
         with pytest.raises(ConfigError) as info:
-            loads(f'[job]\nreport_dir = "{ro / "run"}"\n' + GOOD)
+            loads(f'[job]\nreport_dir = "{ro / "run"}"\n' + GOOD_CONFIG)
         assert info.value.key == "job.report_dir" and f"{ro} is not writable" in info.value.expected
     finally:
         subprocess.run(["umount", str(ro)], check=True)

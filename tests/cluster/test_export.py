@@ -14,71 +14,7 @@ from hmp.export import MODEL_FILE, PARAMETERS, load_model, model_info
 from hmp.ps.schedule import lr_at
 from hmp.train.evaluate import evaluate
 
-from tests.support import digits_job_text, free_port, write_config
-
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-SCHEMA = json.loads((DOCS / "report.schema.json").read_text())
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
-
-
-def schema_errors(value, schema: dict, where: str = "report") -> list[str]:
-    """What of ``value`` breaks ``schema``: the JSON Schema subset docs/report.schema.json uses (type, enum,
-    required, properties, patternProperties, additionalProperties, items), by hand (no jsonschema here)."""
-    import re
-
-    errors: list[str] = []
-    types = schema.get("type")
-    if types is not None:
-        types = [types] if isinstance(types, str) else types
-
-        def fits(t: str) -> bool:
-            if t == "integer":
-                return isinstance(value, int) and not isinstance(value, bool) or (
-                    isinstance(value, float) and value.is_integer())
-            if t == "number":
-                return isinstance(value, (int, float)) and not isinstance(value, bool)
-            return isinstance(value, _TYPES[t])
-
-        if not any(fits(t) for t in types):
-            return [f"{where}: {type(value).__name__} {value!r:.60}, expected {types}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{where}: {value!r} not one of {schema['enum']}")
-    if isinstance(value, dict):
-        errors += [f"{where}: lacks {k!r}" for k in schema.get("required", ()) if k not in value]
-        props, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
-        extra = schema.get("additionalProperties", True)
-        for k, v in value.items():
-            sub = props.get(k) or next((p for pat, p in patterns.items() if re.search(pat, k)), None)
-            if sub is None:
-                if extra is False:
-                    errors.append(f"{where}: key {k!r} is not in the schema (document it: docs/report.md)")
-                    continue
-                sub = extra if isinstance(extra, dict) else {}
-            errors += schema_errors(v, sub, f"{where}.{k}")
-    if isinstance(value, list) and "items" in schema:
-        for i, v in enumerate(value):
-            errors += schema_errors(v, schema["items"], f"{where}[{i}]")
-    return errors
-
-
-USER_MODELS = """
-import torch
-from torch import nn
-
-
-class TwoTower(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.left, self.right = nn.Linear(64, width), nn.Linear(64, width)
-        self.head = nn.Linear(2 * width, 10)
-
-    def forward(self, x):
-        return self.head(torch.cat([self.left(x).relu(), self.right(x).tanh()], 1))
-
-
-def make(width=8):
-    return TwoTower(width)
-"""
+from tests.support import REPORT_SCHEMA, digits_job_text, free_port, schema_errors, write_config
 
 
 def ring_config(tmp: Path, target: float) -> Path:
@@ -119,8 +55,8 @@ async def test_a_jobs_model_reproduces_its_reports_final_accuracy(tmp_path: Path
         report = await cluster.train(timeout_s=200)
     final = report["final"]
     run = cfg.report_dir
-    assert schema_errors(report, SCHEMA) == []  # the report's keys are documented (docs/report.md)
-    assert schema_errors(json.loads((run / "report.json").read_text()), SCHEMA) == []
+    assert schema_errors(report, REPORT_SCHEMA) == []  # the report's keys are documented (docs/report.md)
+    assert schema_errors(json.loads((run / "report.json").read_text()), REPORT_SCHEMA) == []
     assert (run / MODEL_FILE).exists(), f"no model.pt written; final = {final}"
     assert final["model"] == str(run / MODEL_FILE)
     assert final["parameters"] in PARAMETERS

@@ -13,82 +13,19 @@ only the touched rows.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from hmp import models
 
-from tests.support import free_port
-
-FIELDS, BUCKETS, DIM = 4, 50, 8
-TABLE = "0.table.weight"
-OPTIMIZERS = {"sgd": 'name = "sgd"\nlr = 0.1', "adagrad": 'name = "adagrad"\nlr = 0.1',
-              "adam": 'name = "adam"\nlr = 0.01'}
-
-
-def _config(tmp: Path, *, optimizer: str = "adam", consistency: str = "async", shards: int = 1,
-            workers: tuple[str, ...] = ("cpu0",), ps_extra: str = "", node_extra: str = "",
-            train_extra: str = "", samples: int = 2000) -> Path:
-    """A click job with a row-sparse table of ``FIELDS * BUCKETS`` rows of ``DIM`` (chunks of 32 rows) on
-    loopback; shard ports fixed so that tests can dial them."""
-    text = f"""
-[job]
-name = "sparse"
-report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.25
-join_timeout_s = 60
-
-[model]
-name = "click_model"
-args = {{ fields = {FIELDS}, buckets = {BUCKETS}, dim = {DIM}, hidden = [16], sparse = true }}
-
-[data]
-kind = "click"
-samples = {samples}
-args = {{ fields = {FIELDS}, buckets = {BUCKETS} }}
-
-[optimizer]
-{OPTIMIZERS[optimizer]}
-
-[train]
-consistency = "{consistency}"
-batch_size = 32
-epochs = 2
-target_accuracy = 0.0
-max_seconds = 60
-eval_every_s = 0.5
-report_interval_s = 0.3
-{train_extra}
-
-[ps]
-chunk_bytes = 1024
-table_chunk_bytes = 0  # the tables too: several chunks per table, on both shards
-checkpoint_dir = "{tmp / 'ckpt'}"
-{ps_extra}
-
-[shm]
-enabled = false
-
-[[nodes]]
-id = "scheduler"
-role = "scheduler"
-bind = "tcp://127.0.0.1:{free_port()}"
-"""
-    for i in range(shards):
-        text += f'\n[[nodes]]\nid = "ps{i}"\nrole = "ps"\nbind = "tcp://127.0.0.1:{free_port()}"\n'
-    for w in workers:
-        text += f'\n[[nodes]]\nid = "{w}"\nrole = "cpu_worker"\nbatch_size = 32\n{node_extra}\n'
-    path = tmp / "job.toml"
-    path.write_text(text)
-    return path
+from tests.support import BUCKETS, DIM, FIELDS, sparse_click_config
 
 
 @pytest.mark.parametrize("consistency", ["async", "sync"])
 async def test_a_sparse_click_job_trains_and_pushes_only_the_touched_rows(tmp_path, consistency):
     from hmp.cluster import LocalCluster
 
-    cfg = _config(tmp_path, optimizer="adam", consistency=consistency, shards=2, workers=("cpu0", "cpu1"),
+    cfg = sparse_click_config(tmp_path, optimizer="adam", consistency=consistency, shards=2, workers=("cpu0", "cpu1"),
                   samples=4000)
     cfg.write_text(cfg.read_text().replace('name = "adam"\nlr = 0.01', 'name = "adam"\nlr = 0.02'))
     async with LocalCluster(cfg) as cluster:

@@ -18,7 +18,7 @@ from hmp.job import load
 from hmp.messages import Ack, Heartbeat, Shutdown, Status
 from hmp.transport.endpoint import Client, Server
 
-from tests.support import write_config
+from tests.support import curve_keys, write_config
 
 TOKEN = "a" * 32
 
@@ -140,16 +140,6 @@ async def test_two_jobs_on_one_port_the_second_fails_fast_and_the_first_complete
     assert report["final"]["best_reported_accuracy"] >= 0.5
 
 
-def _keys(folder: Path, *names: str, clients: tuple[str, ...] = ()) -> Path:
-    from hmp.keygen import main as keygen
-
-    argv = [str(folder), "--nodes", *names]
-    for c in clients:
-        argv += ["--client", c]
-    assert keygen(argv) == 0
-    return folder
-
-
 async def test_a_job_with_curve_on_trains_to_its_target_and_refuses_a_wrong_key(tmp_path):
     """[security] curve = true: every daemon serves and dials with its keys, and the job reaches its target; a
     client with a key the job never issued fails within the handshake timeout, and the shard keeps serving."""
@@ -159,7 +149,7 @@ async def test_a_job_with_curve_on_trains_to_its_target_and_refuses_a_wrong_key(
     path = write_config(tmp_path, fixed_ps_ports=True, target=0.9)
     path.write_text(path.read_text() + '\n[security]\ncurve = true\nkey_dir = "keys"\nhandshake_timeout_s = 1.0\n')
     assert keygen([str(tmp_path / "keys"), "--config", str(path)]) == 0
-    other = _keys(tmp_path / "other", "cpu0")
+    other = curve_keys(tmp_path / "other", "cpu0")
     cfg = load(path)
     ps0 = cfg.node("ps0").bind
     async with LocalCluster(cfg) as cluster:
@@ -245,8 +235,8 @@ async def test_with_curve_the_launcher_and_an_api_client_reach_the_job(tmp_path)
     path.write_text(path.read_text() + CURVE_SECTION)
     keys = tmp_path / "keys"
     assert keygen([str(keys), "--config", str(path), "--client", "api"]) == 0
-    other_job = _keys(tmp_path / "other-job", "api")
-    unissued = _keys(tmp_path / "unissued", "api")
+    other_job = curve_keys(tmp_path / "other-job", "api")
+    unissued = curve_keys(tmp_path / "unissued", "api")
     (unissued / "server.key").write_bytes((keys / "server.key").read_bytes())  # the job's server, not its key
     cfg = load(path)
     shards = [(s.id, s.bind) for s in cfg.shards]

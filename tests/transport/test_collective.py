@@ -19,43 +19,8 @@ import torch
 from hmp.collective import Ring, RingBroken, RingError, RingHost
 from hmp.errors import RemoteError
 from hmp.messages import Kind, RingPiece
-from hmp.transport.codec import DTYPES
 from hmp.transport.endpoint import Client, Server
-
-DTYPE_NAMES = [d for d in DTYPES if d != "bool"]
-INT_RANGE = {"uint8": (0, 50), "int8": (-25, 25)}  # sums of 4 stay in range: exact comparisons
-TOL = {"float16": (1e-2, 2e-2), "bfloat16": (5e-2, 1e-1), "float32": (1e-5, 1e-5), "float64": (1e-12, 1e-12)}
-
-
-def _inputs(dtype: str, numel: int, rank: int, seed: int) -> torch.Tensor:
-    """Member ``rank``'s deterministic input (the parent recomputes it for the expected sum)."""
-    g = torch.Generator().manual_seed(seed * 1009 + rank)
-    d = DTYPES[dtype]
-    if d.is_floating_point:
-        return torch.randn(numel, generator=g, dtype=torch.float64).to(d)
-    lo, hi = INT_RANGE.get(dtype, (-1000, 1000))
-    return torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(d)
-
-
-def _check_sum(results: list[torch.Tensor], dtype: str, numel: int, seed: int, where: str) -> None:
-    """Every member's result is bit-identical, and equal to the sum (exact for integers)."""
-    n = len(results)
-    first = results[0]
-    for r, t in enumerate(results):
-        assert t.dtype == DTYPES[dtype] and t.shape == (numel,), where
-        assert _bits(t) == _bits(first), f"{where}: member {r}'s result differs bitwise from member 0's"
-    exact = sum(_inputs(dtype, numel, r, seed).to(torch.float64) for r in range(n))
-    if DTYPES[dtype].is_floating_point:
-        rtol, atol = TOL[dtype]
-        torch.testing.assert_close(first.to(torch.float64), exact, rtol=rtol, atol=atol * n, msg=where)
-    else:
-        assert torch.equal(first.to(torch.int64), exact.to(torch.int64)), where
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
+from tests.support import check_ring_sum, ring_inputs, tensor_bits
 
 
 # ============================================================================ validation
@@ -148,7 +113,7 @@ async def test_pieces_of_an_op_not_started_yet_wait_for_it():
     """A member that starts late finds its neighbours' pieces waiting (buffered, unanswered) and
     the op completes on everyone; pieces crossing ops started at different times stay apart."""
     async with local(3, piece_bytes=64, small_bytes=0, timeout_s=5.0) as m:
-        xs = [_inputs("float32", 1000, r, 7) for r in range(3)]
+        xs = [ring_inputs("float32", 1000, r, 7) for r in range(3)]
         ts = [x.clone() for x in xs]
 
         async def late() -> None:
@@ -156,7 +121,7 @@ async def test_pieces_of_an_op_not_started_yet_wait_for_it():
             await m.rings[2].all_reduce(ts[2], 0)
 
         await asyncio.gather(m.rings[0].all_reduce(ts[0], 0), m.rings[1].all_reduce(ts[1], 0), late())
-        _check_sum(ts, "float32", 1000, 7, "late member")
+        check_ring_sum(ts, "float32", 1000, 7, "late member")
         assert m.rings[2].stats["early_pieces"] > 0
 
 
@@ -170,7 +135,7 @@ async def test_concurrent_ops_window_and_staging_give_identical_results(window, 
     results: dict[bool, list[list[torch.Tensor]]] = {}
     for stage in (False, True):
         async with local(n, piece_bytes=128, small_bytes=300, window=window, timeout_s=5.0, stage=stage) as m:
-            ts = [[_inputs(d, k, r, op) for r in range(n)] for op, (k, d) in enumerate(sizes)]
+            ts = [[ring_inputs(d, k, r, op) for r in range(n)] for op, (k, d) in enumerate(sizes)]
             algos = [m.rings[0].algorithm(t[0]) for t in ts]
             assert "small" in algos and ("ring" if n == 3 else "halving") in algos
 
@@ -181,14 +146,14 @@ async def test_concurrent_ops_window_and_staging_give_identical_results(window, 
 
             await asyncio.gather(*(member(r) for r in range(n)))
             for op, (k, d) in enumerate(sizes):
-                _check_sum(ts[op], d, k, op, f"op {op} stage={stage}")
+                check_ring_sum(ts[op], d, k, op, f"op {op} stage={stage}")
             results[stage] = ts
             if stage:
                 st = m.rings[0].stats
                 # per piece: the ring ops' pieces, plus one region per small op
                 assert st["staged_in"] > len(sizes) and st["staged_in"] == st["staged_out"], st
     for op in range(len(sizes)):
-        assert _bits(results[True][op][0]) == _bits(results[False][op][0]), f"op {op}: staging changed the bits"
+        assert tensor_bits(results[True][op][0]) == tensor_bits(results[False][op][0]), f"op {op}: staging changed the bits"
 
 
 async def test_abort_fails_the_running_op_and_every_later_one():
@@ -328,31 +293,14 @@ async def test_ring_host_follows_generations_and_refuses_nonsense():
                 await later
             assert info.value.code == "bad_piece"  # routed to generation 2's ring, which has no step 5
             assert await code_of(piece(ring=1)) == "stale_ring"
-        ts = [_inputs("float32", 333, r, 1) for r in range(2)]
+        ts = [ring_inputs("float32", 333, r, 1) for r in range(2)]
         await m.reduce(ts, 0)
-        _check_sum(ts, "float32", 333, 1, "after the probes")
+        check_ring_sum(ts, "float32", 333, 1, "after the probes")
 
 
 # ============================================================================ real processes
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
 KILL_TIMEOUT_S = 1.5
-
-
-
-
 
 

@@ -18,7 +18,7 @@ from hmp.export import (
     write_model,
 )
 from hmp.models import digits_mlp
-from tests.support import write_config
+from tests.support import USER_MODELS, write_config
 
 
 def trained_looking(cfg) -> torch.nn.Module:
@@ -65,26 +65,6 @@ def test_model_args_survive_the_round_trip(tmp_path: Path) -> None:
     assert [tuple(p.shape) for p in loaded.parameters()] == [(7, 64), (7,), (5, 7), (5,), (10, 5), (10,)]
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters()))
     assert model_info(tmp_path / "out")["config_copy"] == ""  # no file to copy
-
-
-USER_MODELS = """
-import torch
-from torch import nn
-
-
-class TwoTower(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.left, self.right = nn.Linear(64, width), nn.Linear(64, width)
-        self.head = nn.Linear(2 * width, 10)
-
-    def forward(self, x):
-        return self.head(torch.cat([self.left(x).relu(), self.right(x).tanh()], 1))
-
-
-def make(width=8):
-    return TwoTower(width)
-"""
 
 
 def test_a_users_own_model_class_from_an_import_path(tmp_path: Path, monkeypatch) -> None:

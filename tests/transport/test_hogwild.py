@@ -13,6 +13,7 @@ from torch import nn
 
 from hmp.models import digits_mlp
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
+from tests.support import small_model, small_problem
 
 
 @pytest.fixture(autouse=True)
@@ -26,18 +27,6 @@ def _one_intra_op_thread():
 def wide_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
-
-
-def small_problem(n: int = 256):
-    """``[n, 8]`` features and ``[n]`` labels in 3 classes that a linear map of X predicts."""
-    gen = torch.Generator().manual_seed(1)
-    X = torch.randn(n, 8, generator=gen)
-    return X, (X @ torch.randn(8, 3, generator=gen)).argmax(1)
-
-
-def small_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
 @pytest.fixture(scope="module")

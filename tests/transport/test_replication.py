@@ -12,28 +12,13 @@ from hmp.config import load
 from hmp.errors import RemoteError
 from hmp.messages import Push, Replicas, Replicate, Status
 from hmp.nodes.ps_shard import PSShardNode
-from hmp.ps.shard_core import ShardCore
 from hmp.ps.sharding import initial_replicas
-from tests.support import client_of, running, write_config
+from tests.support import assert_cores_identical, client_of, running, write_config
 
 ADAM = 'name = "adam"\nlr = 0.01'
 
 
 SGD = 'name = "sgd"\nlr = 0.01'
-
-
-def _assert_identical(primary: ShardCore, backup: ShardCore) -> None:
-    """Bit-identical values and optimizer state, and the same clock and push numbers."""
-    for k, c in primary.chunks.items():
-        assert torch.equal(c.param.view(torch.int32), backup.chunks[k].param.view(torch.int32)), k
-        theirs = backup.chunks[k].optimizer.state_dict()
-        for name, value in c.optimizer.state_dict().items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value.view(torch.int32), theirs[name].view(torch.int32)), (k, name)
-            else:
-                assert value == theirs[name], (k, name)
-    assert (primary.version, primary.updates_applied, primary.samples, primary.last_seq) == \
-        (backup.version, backup.updates_applied, backup.samples, backup.last_seq)
 
 
 # ----------------------------------------------------------------------------- shard daemons in this process
@@ -60,7 +45,7 @@ async def test_a_push_is_answered_once_the_backup_applied_it_and_a_promoted_back
         for seq in range(1, 6):
             await cpu.request(Push(keys=keys, grads=grads, samples=4, seq=seq))
             # Answered: the backup applied it before the reply was sent.
-            _assert_identical(ps0.core, ps1.backups["ps0"])
+            assert_cores_identical(ps0.core, ps1.backups["ps0"])
         assert ps0.stats["forwards_applied"] == 5 and ps1._applied_forward["ps0"] == 5
         # ps0 is lost; the scheduler promotes ps1 for group ps0, which now has no backup.
         await sched1.request(_map(ps1, {"ps0": ("ps1", ""), "ps1": ("ps1", "")}, 2))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,72 +15,7 @@ from hmp.job import load
 from hmp.messages import Pull, Push, Replicas
 from hmp.nodes.ps_shard import PSShardNode
 from hmp.ps.sharding import initial_replicas
-from tests.support import assert_cores_identical, client_of, free_port, running, serving
-
-FIELDS, BUCKETS, DIM = 4, 50, 8
-
-TABLE = "0.table.weight"
-
-
-OPTIMIZERS = {"sgd": 'name = "sgd"\nlr = 0.1', "adagrad": 'name = "adagrad"\nlr = 0.1',
-              "adam": 'name = "adam"\nlr = 0.01'}
-
-
-def _config(tmp: Path, *, optimizer: str = "adam", consistency: str = "async", shards: int = 1,
-            workers: tuple[str, ...] = ("cpu0",), ps_extra: str = "", node_extra: str = "",
-            train_extra: str = "", samples: int = 2000) -> Path:
-    """A click job with a row-sparse table of ``FIELDS * BUCKETS`` rows of ``DIM`` (chunks of 32 rows) on
-    loopback; shard ports fixed so that tests can dial them."""
-    text = f"""
-[job]
-name = "sparse"
-report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.25
-join_timeout_s = 60
-
-[model]
-name = "click_model"
-args = {{ fields = {FIELDS}, buckets = {BUCKETS}, dim = {DIM}, hidden = [16], sparse = true }}
-
-[data]
-kind = "click"
-samples = {samples}
-args = {{ fields = {FIELDS}, buckets = {BUCKETS} }}
-
-[optimizer]
-{OPTIMIZERS[optimizer]}
-
-[train]
-consistency = "{consistency}"
-batch_size = 32
-epochs = 2
-target_accuracy = 0.0
-max_seconds = 60
-eval_every_s = 0.5
-report_interval_s = 0.3
-{train_extra}
-
-[ps]
-chunk_bytes = 1024
-table_chunk_bytes = 0  # the tables too: several chunks per table, on both shards
-checkpoint_dir = "{tmp / 'ckpt'}"
-{ps_extra}
-
-[shm]
-enabled = false
-
-[[nodes]]
-id = "scheduler"
-role = "scheduler"
-bind = "tcp://127.0.0.1:{free_port()}"
-"""
-    for i in range(shards):
-        text += f'\n[[nodes]]\nid = "ps{i}"\nrole = "ps"\nbind = "tcp://127.0.0.1:{free_port()}"\n'
-    for w in workers:
-        text += f'\n[[nodes]]\nid = "{w}"\nrole = "cpu_worker"\nbatch_size = 32\n{node_extra}\n'
-    path = tmp / "job.toml"
-    path.write_text(text)
-    return path
+from tests.support import BUCKETS, DIM, FIELDS, TABLE, assert_cores_identical, client_of, running, serving, sparse_click_config
 
 
 def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -104,7 +38,7 @@ def _reference_optimizers(name: str, model: torch.nn.Module, eps: float) -> list
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's own Adagrad, the reference
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 async def test_a_sparse_push_applies_exactly_the_touched_rows_as_torch_would(tmp_path, optimizer):
-    cfg = load(_config(tmp_path, optimizer=optimizer))
+    cfg = load(sparse_click_config(tmp_path, optimizer=optimizer))
     node = PSShardNode(cfg, "ps0")
     reference = models.from_config(cfg, seed=cfg.model.seed)
     opts = _reference_optimizers(optimizer, reference, cfg.optimizer.eps)
@@ -144,7 +78,7 @@ async def test_a_sparse_push_applies_exactly_the_touched_rows_as_torch_would(tmp
 
 
 async def test_a_resent_sparse_push_is_applied_once_and_bad_ones_are_refused_while_the_shard_serves(tmp_path):
-    cfg = load(_config(tmp_path, optimizer="sgd"))
+    cfg = load(sparse_click_config(tmp_path, optimizer="sgd"))
     node = PSShardNode(cfg, "ps0")
     core = node.core
     table = [k for k, c in core.chunks.items() if c.dim]
@@ -209,7 +143,7 @@ async def test_a_resent_sparse_push_is_applied_once_and_bad_ones_are_refused_whi
 
 
 async def test_a_sync_round_averages_its_members_rows_and_answers_each_with_the_rows_it_wants(tmp_path):
-    cfg = load(_config(tmp_path, optimizer="sgd", consistency="sync", workers=("cpu0", "cpu1")))
+    cfg = load(sparse_click_config(tmp_path, optimizer="sgd", consistency="sync", workers=("cpu0", "cpu1")))
     node = PSShardNode(cfg, "ps0")
     core = node.core
     k = next(k for k, c in core.chunks.items() if c.dim)
@@ -250,7 +184,7 @@ async def _gather(*requests):
 
 @pytest.mark.parametrize("consistency", ["async", "sync"])
 async def test_a_backup_stays_identical_to_its_primary_after_sparse_pushes(tmp_path, consistency):
-    cfg = load(_config(tmp_path, optimizer="adam", consistency=consistency, shards=2, ps_extra="replicas = 2"))
+    cfg = load(sparse_click_config(tmp_path, optimizer="adam", consistency=consistency, shards=2, ps_extra="replicas = 2"))
     ps0, ps1 = PSShardNode(cfg, "ps0"), PSShardNode(cfg, "ps1")
     batches = _batches(5, seed=1)
     async with running(ps0), running(ps1), client_of(ps0, "scheduler") as sched0, client_of(ps1, "scheduler") as sched1:
@@ -276,6 +210,6 @@ async def test_a_backup_stays_identical_to_its_primary_after_sparse_pushes(tmp_p
 
 def test_jobs_that_would_drop_sparse_gradients_are_refused_at_load(tmp_path):
     with pytest.raises(ConfigError) as hogwild:
-        load(_config(tmp_path, node_extra="hogwild_threads = 2"))
+        load(sparse_click_config(tmp_path, node_extra="hogwild_threads = 2"))
     assert hogwild.value.key == "nodes[2].hogwild_threads" and TABLE in str(hogwild.value)
-    assert isinstance(load(_config(tmp_path)), object)  # the same job with one thread loads
+    assert isinstance(load(sparse_click_config(tmp_path)), object)  # the same job with one thread loads

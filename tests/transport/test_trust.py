@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 import zmq
@@ -13,6 +12,7 @@ from structlog.testing import capture_logs
 from hmp.errors import RemoteError
 from hmp.messages import Ack, Heartbeat, Kind
 from hmp.transport.endpoint import Client, Server
+from tests.support import curve_keys
 
 TOKEN = "a" * 32
 
@@ -55,24 +55,14 @@ async def test_a_storm_of_bad_messages_logs_a_few_lines_with_counts():
     assert any(e.get("count", 0) >= 900 for e in bad)
 
 
-def _keys(folder: Path, *names: str, clients: tuple[str, ...] = ()) -> Path:
-    from hmp.keygen import main as keygen
-
-    argv = [str(folder), "--nodes", *names]
-    for c in clients:
-        argv += ["--client", c]
-    assert keygen(argv) == 0
-    return folder
-
-
 async def test_curve_binds_sender_ids_to_keys_and_a_wrong_key_fails_within_the_handshake_timeout(tmp_path):
     """With CURVE: a known key is served and speaks only for its own name (or its own clients' names); a key
     outside the key folder, and a client holding another job's server key, fail with HandshakeFailed naming the
     address within the handshake timeout; the refusal is in the server's log; the server keeps serving."""
     from hmp.transport.security import Curve, HandshakeFailed
 
-    job = _keys(tmp_path / "job", "ps0", "cpu0", clients=("probe",))
-    other = _keys(tmp_path / "other", "cpu0")
+    job = curve_keys(tmp_path / "job", "ps0", "cpu0", clients=("probe",))
+    other = curve_keys(tmp_path / "other", "cpu0")
 
     async def heartbeat(msg, peer):
         return Ack(detail=msg.sender)

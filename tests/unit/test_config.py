@@ -11,24 +11,9 @@ from hmp.config import env_overrides
 from hmp.config.reference import reference
 from hmp.errors import ConfigError
 from hmp.job import load, loads
+from tests.support import GOOD_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-GOOD = """
-[train]
-consistency = "sync"
-[[nodes]]
-id = "s"
-role = "scheduler"
-bind = "tcp://127.0.0.1:5999"
-[[nodes]]
-id = "p"
-role = "ps"
-[[nodes]]
-id = "w"
-role = "cpu_worker"
-"""
 
 
 def test_shipped_configs_load():
@@ -86,7 +71,7 @@ def test_local_default_topology():
 
 def test_config_is_frozen_and_typed():
     """Loaded config is immutable and ints given for floats become floats."""
-    cfg = loads(GOOD, "x.toml")
+    cfg = loads(GOOD_CONFIG, "x.toml")
     assert cfg.train.consistency == "sync"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.epochs = 3  # type: ignore[misc]
@@ -108,7 +93,7 @@ def test_config_is_frozen_and_typed():
 )
 def test_config_errors_name_file_key_and_expectation(patch, key, expected):
     """Each bad config is refused with the file name, the offending key and what was expected."""
-    text = GOOD.replace(*patch, 1)
+    text = GOOD_CONFIG.replace(*patch, 1)
     with pytest.raises(ConfigError) as info:
         loads(text, "bad.toml")
     assert info.value.path == "bad.toml" and info.value.key == key
@@ -117,7 +102,7 @@ def test_config_errors_name_file_key_and_expectation(patch, key, expected):
 
 def test_duplicate_bind_address_is_an_error():
     """Two nodes binding the same fixed address are refused."""
-    text = GOOD.replace('id = "p"\nrole = "ps"', 'id = "p"\nrole = "ps"\nbind = "tcp://127.0.0.1:5999"')
+    text = GOOD_CONFIG.replace('id = "p"\nrole = "ps"', 'id = "p"\nrole = "ps"\nbind = "tcp://127.0.0.1:5999"')
     with pytest.raises(ConfigError, match="unique address"):
         loads(text, "dup.toml")
 
@@ -134,7 +119,7 @@ def test_unreadable_file_and_bad_toml(tmp_path):
 
 def test_env_overrides_are_typed():
     """HMP_* overrides replace their keys and a bad value names the variable."""
-    cfg = loads(GOOD, "x.toml")
+    cfg = loads(GOOD_CONFIG, "x.toml")
     assert env_overrides(cfg, {"HMP_MAX_SECONDS": "12"}).train.max_seconds == 12.0
     with pytest.raises(ConfigError, match="HMP_MAX_SECONDS"):
         env_overrides(cfg, {"HMP_MAX_SECONDS": "soon"})
@@ -191,17 +176,17 @@ def test_unwritable_folders_are_config_errors_naming_key_and_path(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     fine = tmp_path / "not" / "yet"
-    cfg = loads(f'[job]\nreport_dir = "{fine}"\n' + GOOD)
+    cfg = loads(f'[job]\nreport_dir = "{fine}"\n' + GOOD_CONFIG)
     assert cfg.report_dir == fine and not (tmp_path / "not").exists()
     for section, key in (("job", "report_dir"), ("ps", "checkpoint_dir")):
         with pytest.raises(ConfigError) as info:
-            loads(f'[{section}]\n{key} = "{blocker / "run"}"\n' + GOOD, "job.toml")
+            loads(f'[{section}]\n{key} = "{blocker / "run"}"\n' + GOOD_CONFIG, "job.toml")
         assert info.value.key == f"{section}.{key}" and info.value.path == "job.toml"
         assert str(blocker) in info.value.expected and "is a file" in info.value.expected
     # With shards the default checkpoint folder lies in the report folder: an unwritable report folder is
     # named once, by its own key.
     with pytest.raises(ConfigError, match="job.report_dir"):
-        loads(f'[job]\nreport_dir = "{blocker}"\n' + GOOD)
+        loads(f'[job]\nreport_dir = "{blocker}"\n' + GOOD_CONFIG)
 
 
 def test_a_shard_share_over_max_message_bytes_is_refused_with_the_fix():
@@ -209,10 +194,10 @@ def test_a_shard_share_over_max_message_bytes_is_refused_with_the_fix():
     with the size to raise it to; that size itself loads, and so does the same limit with more shards."""
     from hmp.job import sharded_model
 
-    cfg = loads(GOOD.replace('[train]', '[ps]\nchunk_bytes = 4096\n[train]'))
+    cfg = loads(GOOD_CONFIG.replace('[train]', '[ps]\nchunk_bytes = 4096\n[train]'))
     share = max(sum(sharded_model(cfg).chunks[k].nbytes for k in keys)
                 for keys in sharded_model(cfg).assignment.values())
-    tight = GOOD.replace('[train]', f'[ps]\nchunk_bytes = 4096\n[limits]\nmax_message_bytes = {share - 1}\n[train]')
+    tight = GOOD_CONFIG.replace('[train]', f'[ps]\nchunk_bytes = 4096\n[limits]\nmax_message_bytes = {share - 1}\n[train]')
     with pytest.raises(ConfigError) as info:
         loads(tight)
     assert info.value.key == "limits.max_message_bytes"
@@ -224,6 +209,6 @@ def test_a_shard_share_over_max_message_bytes_is_refused_with_the_fix():
 
 def test_resilience_keys_load():
     cfg = loads('[job]\nrestarts = { cpu_worker = 2, ps = 1 }\ntoken = "abc123"\n[ps]\ncheckpoint_every_s = 0\n'
-                + GOOD.replace('consistency = "sync"', 'consistency = "sync"\nmin_workers = 1'))
+                + GOOD_CONFIG.replace('consistency = "sync"', 'consistency = "sync"\nmin_workers = 1'))
     assert cfg.job.restarts == {"cpu_worker": 2, "ps": 1} and cfg.job.token == "abc123"
     assert cfg.ps.checkpoint_every_s == 0.0 and cfg.train.min_workers == 1

@@ -3,57 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from hmp.train.stop_rule import TargetConfirmation, target_reason
-
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-
-
-SCHEMA = json.loads((DOCS / "report.schema.json").read_text())
-
-
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
-
-
-def schema_errors(value, schema: dict, where: str = "report") -> list[str]:
-    """What of ``value`` breaks ``schema``: the JSON Schema subset docs/report.schema.json uses (type, enum,
-    required, properties, patternProperties, additionalProperties, items), by hand (no jsonschema here)."""
-    import re
-
-    errors: list[str] = []
-    types = schema.get("type")
-    if types is not None:
-        types = [types] if isinstance(types, str) else types
-
-        def fits(t: str) -> bool:
-            if t == "integer":
-                return isinstance(value, int) and not isinstance(value, bool) or (
-                    isinstance(value, float) and value.is_integer())
-            if t == "number":
-                return isinstance(value, (int, float)) and not isinstance(value, bool)
-            return isinstance(value, _TYPES[t])
-
-        if not any(fits(t) for t in types):
-            return [f"{where}: {type(value).__name__} {value!r:.60}, expected {types}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{where}: {value!r} not one of {schema['enum']}")
-    if isinstance(value, dict):
-        errors += [f"{where}: lacks {k!r}" for k in schema.get("required", ()) if k not in value]
-        props, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
-        extra = schema.get("additionalProperties", True)
-        for k, v in value.items():
-            sub = props.get(k) or next((p for pat, p in patterns.items() if re.search(pat, k)), None)
-            if sub is None:
-                if extra is False:
-                    errors.append(f"{where}: key {k!r} is not in the schema (document it: docs/report.md)")
-                    continue
-                sub = extra if isinstance(extra, dict) else {}
-            errors += schema_errors(v, sub, f"{where}.{k}")
-    if isinstance(value, list) and "items" in schema:
-        for i, v in enumerate(value):
-            errors += schema_errors(v, schema["items"], f"{where}[{i}]")
-    return errors
+from tests.support import REPORT_SCHEMA, ROOT, schema_errors
 
 
 def schema_keys(schema: dict) -> set[str]:
@@ -72,11 +24,11 @@ def test_every_key_of_the_schema_is_documented() -> None:
     both say version 1."""
     import re
 
-    text = (DOCS / "report.md").read_text()
+    text = (ROOT / "docs" / "report.md").read_text()
     named = {w for span in re.findall(r"`([^`]+)`", text) for w in re.findall(r"[A-Za-z_<>0-9]+", span)}
-    missing = sorted(k for k in schema_keys(SCHEMA) if k not in named)
+    missing = sorted(k for k in schema_keys(REPORT_SCHEMA) if k not in named)
     assert not missing, f"keys of docs/report.schema.json not described in docs/report.md: {missing}"
-    assert SCHEMA["properties"]["schema_version"]["enum"] == [1] and "schema version 1" in text
+    assert REPORT_SCHEMA["properties"]["schema_version"]["enum"] == [1] and "schema version 1" in text
 
 
 def test_the_schema_check_finds_what_is_wrong() -> None:
@@ -86,13 +38,13 @@ def test_the_schema_check_finds_what_is_wrong() -> None:
                       "test_accuracy": 0.5, "member0_accuracy": 0.4, "parameters": "end", "model": None},
             "sharding": {}, "pipeline": {}, "rings": [], "membership": [], "work_redone": 0, "shard_restarts": [],
             "workers": {}, "series": {"cpu0": [{"t": 0.3, "loss": float("nan"), "lr": 0.1}]}}
-    assert schema_errors(good, SCHEMA) == []
+    assert schema_errors(good, REPORT_SCHEMA) == []
     bad = json.loads(json.dumps(good))
     bad["final"]["parameters"] = "latest"
     bad["series"]["cpu0"][0]["note"] = "text"
     bad["surprise"] = 1
     del bad["workers"]
-    errors = schema_errors(bad, SCHEMA)
+    errors = schema_errors(bad, REPORT_SCHEMA)
     assert any("final.parameters: 'latest' not one of" in e for e in errors)
     assert any("series.cpu0[0].note: str" in e for e in errors)
     assert any("'surprise' is not in the schema" in e for e in errors)

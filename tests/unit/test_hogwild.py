@@ -7,18 +7,7 @@ import torch
 from torch import nn
 
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
-
-
-def small_problem(n: int = 256):
-    """``[n, 8]`` features and ``[n]`` labels in 3 classes that a linear map of X predicts."""
-    gen = torch.Generator().manual_seed(1)
-    X = torch.randn(n, 8, generator=gen)
-    return X, (X @ torch.randn(8, 3, generator=gen)).argmax(1)
-
-
-def small_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+from tests.support import small_model, small_problem
 
 
 def test_load_flat_round_trips_and_checks_shape():

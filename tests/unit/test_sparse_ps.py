@@ -7,8 +7,8 @@ from torch.nn import functional as F
 
 from hmp import models
 from hmp.flat import FlatLayout
+from tests.support import BUCKETS, DIM, FIELDS
 
-FIELDS, BUCKETS, DIM = 4, 50, 8
 
 TABLE = "0.table.weight"
 

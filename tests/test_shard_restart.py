@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hmp.ps import checkpoint
 from hmp.ps.shard_core import ShardCore
 from hmp.scheduler.core import Admitted, JobFailed, ShardsChanged
 
@@ -76,7 +77,7 @@ def test_a_checkpoint_without_push_numbers_still_loads(tmp_path):
     core = _shard()
     state = core.state_dict()
     del state["last_seq"]  # written before pushes were numbered
-    ShardCore.write(state, tmp_path / "old.pt")
+    checkpoint.write(state, tmp_path / "old.pt")
     fresh = _shard()
     fresh.load(tmp_path / "old.pt")
     assert fresh.last_seq == {}
@@ -214,7 +215,7 @@ def _job(tmp: Path, join_timeout_s: float = 60) -> Path:
 
 def _checkpoint_version(path: Path) -> int:
     try:
-        return int(ShardCore.read(path)["version"])
+        return int(checkpoint.read(path)["version"])
     except Exception:  # not written yet, or being replaced
         return -1
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from hmp import job
-from hmp.config import Config, Consistency, Role
+from hmp.config import Config, Role
 from hmp.errors import ConfigError, RemoteError, RequestError
 from hmp.messages import Ack, Drop, Init, Kind, Leave, Message, Params, Pull, Push, Replicas, Replicate
 from hmp.nodes.base import Node
@@ -83,7 +83,6 @@ class PSShardNode(Node):
             if backup == node_id:  # every node builds the same initial values: the copy starts identical
                 self.backups[group] = self._new_core(group)
         self._forwarded: dict[str, int] = {}  # primary side: forwards sent per group (Replicate.fseq)
-        self._applied_forward: dict[str, int] = {}  # backup side: the last fseq applied per group
         self._backup_clients: dict[str, Client] = {}  # by backup shard id: one ordered connection each
         self._replicas_changed: asyncio.Future | None = None  # resolved at the next replicas message
         self._round_forward: dict[str, asyncio.Task] = {}  # sync: a finished round's forward, per group
@@ -122,7 +121,7 @@ class PSShardNode(Node):
                          row_dims={c.key: c.dim for c in self.sharded.layout.chunks if c.dim and c.key in initial},
                          # A sweep's members are independent: one diverging member's NaN stays in its own slice
                          # of every chunk, and refusing the push would stop the others too (its report shows it).
-                         reject_nonfinite=self.cfg.ps.reject_nonfinite and not self.cfg.sweep.members)
+                         reject_nonfinite=self.cfg.ps.reject_nonfinite and not self.cfg.sweep.members, node=self.id)
 
     def _resume(self) -> None:
         """``--resume``: continue from the checkpoint, or from the one before it if it is damaged. No
@@ -164,10 +163,9 @@ class PSShardNode(Node):
         The copy is needed: a zero-copy reply would hand libzmq the shard's own chunk tensors, and
         libzmq reads them until the last byte is on the wire (over inproc://, until the receiver
         drops the frames), so the next update would have to wait for every reply still in flight
-        or the reply would carry values of that later update. bench/reply.py measures both (2 workers
-        x 16 MiB in 1 MiB chunks, loopback, 2 cores): the copy's rounds were as fast or faster (copy /
-        zero-copy round time 0.94 and 1.01 in two runs) for ~8% more shard CPU, and it needs no
-        trackers, no waits before a mutation and no ordering between updates and replies.
+        or the reply would carry values of that later update. The copy was as fast in bench/reply.py
+        (docs/architecture.md) and needs no trackers, no waits before a mutation and no ordering
+        between updates and replies.
 
         With a shared-memory arena the copy goes into a reply slot (the same one copy): workers on
         this host read it in place; for the others it is sent as frames, like a clone.
@@ -263,7 +261,7 @@ class PSShardNode(Node):
                 raise RequestError(f"{worker} stayed more than {core.staleness} updates ahead for {timeout} s",
                                    "timeout") from None
         finally:
-            if not waiter.done():  # a retry waiting with it decides anew
+            if not waiter.done():  # not applied: a retry waiting with it is decided anew
                 waiter.set_result(None)
             core.withdraw(decision.ticket)
             self._ssp.pop(key, None)
@@ -384,9 +382,11 @@ class PSShardNode(Node):
                 round_done.set_exception(RequestError(
                     f"shard {self.id} is stopping; sync round {version} of {group} will not complete",
                     "shutting_down"))
-        for waiter in self._ssp.values():
-            if not waiter.done():
+        for (group, ticket), waiter in self._ssp.items():
+            if not waiter.done():  # not applied: a retry waiting with it is decided anew (and refused)
                 waiter.set_result(None)
+                if group in self.cores:
+                    self.cores[group].withdraw(ticket)
         self._wake_forwards()
 
     # ---------------------------------------------------------------- replicas ([ps] replicas = 2)
@@ -531,11 +531,10 @@ class PSShardNode(Node):
                 del self.cores[group]
             if backup != self.id and primary != self.id and group in self.backups:
                 del self.backups[group]
-                self._applied_forward.pop(group, None)
             elif backup == self.id and group not in self.backups:
                 # Its primary sends a whole copy: until then a placeholder at the initial values.
                 self.backups[group] = self._new_core(group)
-                self._applied_forward[group] = -1  # nothing but the copy is applied first
+                self.backups[group].applied_forward = -1  # nothing but the copy is applied first
         for group in list(self.cores):
             backup = groups.get(group, ("", ""))[1]
             if not backup:
@@ -574,33 +573,10 @@ class PSShardNode(Node):
         if backup != self.id or core is None:
             raise RequestError(f"replicate of {group!r}: shard {self.id} is not its backup (epoch {self.replica_epoch})",
                                "bad_request")
-        last = self._applied_forward.get(group, 0)
+        detail = core.replicate(msg)
         if msg.op == "state":
-            try:
-                core.load_replica_bytes(msg.grads[0] if msg.grads else torch.empty(0, dtype=torch.uint8))
-            except Exception as exc:  # another layout or a damaged copy: nothing changed
-                raise RequestError(f"replicate of {group!r}: unusable copy ({exc.__class__.__name__}: {exc})",
-                                   "bad_request") from None
-            self._applied_forward[group] = msg.fseq
             self.log.info("copy_received", group=group, version=core.version, fseq=msg.fseq)
-            return Ack(detail=f"copy of {group} at version {core.version}")
-        if 0 <= msg.fseq <= last:  # a repeat (the primary retried): applied once
-            return Ack(detail=f"forward {msg.fseq} of {group} was applied already")
-        if last < 0 or msg.fseq != last + 1:
-            raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
-                               f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
-        core.check(msg.keys, msg.grads, "replicate")
-        core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
-        if msg.op == "push":
-            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
-        elif msg.op == "round":
-            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
-        elif msg.op == "init":
-            core.set_values(msg.keys, msg.grads)
-        else:
-            raise RequestError(f"replicate: op must be push, round, init or state, got {msg.op!r}", "bad_request")
-        self._applied_forward[group] = msg.fseq
-        return Ack()
+        return Ack(detail=detail)
 
     def _maybe_checkpoint(self) -> None:
         """Start writing a checkpoint in the background when one is due (``checkpoint_every`` updates since

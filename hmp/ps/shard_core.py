@@ -125,12 +125,13 @@ class ShardCore:
 
     def __init__(self, shard_id: str, chunks: dict[int, torch.Tensor], optimizer: str, hyper: dict[str, Any],
                  consistency: str = Consistency.ASYNC, staleness: int = 0, workers: Iterable[str] = (),
-                 row_dims: dict[int, int] | None = None, reject_nonfinite: bool = True) -> None:
+                 row_dims: dict[int, int] | None = None, reject_nonfinite: bool = True, node: str = "") -> None:
         """``row_dims``: ``{chunk key: row width}`` of the chunks that hold rows of a row-sparse table;
-        ``reject_nonfinite``: refuse pushes with NaN or infinite gradients (:meth:`check_finite`)."""
+        ``reject_nonfinite``: refuse pushes with NaN or infinite gradients (:meth:`check_finite`); ``node``:
+        the shard daemon serving it (default ``shard_id``), named when it refuses pushes on its way out."""
         if consistency not in tuple(Consistency):
             raise ValueError(f"consistency must be async, sync or ssp, got {consistency!r}")
-        self.shard_id = shard_id
+        self.shard_id, self.node = shard_id, node or shard_id
         self.consistency = consistency
         self.staleness = staleness
         self.reject_nonfinite = reject_nonfinite
@@ -170,6 +171,8 @@ class ShardCore:
         self.waiting: dict[int, Push] = {}
         self._tickets = 0
         self._rounds_done: list[RoundDone] = []  # sync: finished rounds not yet released (next_release)
+        #: a backup: the last forward of its primary applied (``Replicate.fseq``; -1: a whole copy comes first)
+        self.applied_forward = 0
         for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
             self.add_worker(w)
 
@@ -257,11 +260,8 @@ class ShardCore:
     def row_values(self, row_keys: Sequence[int], rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Copies of rows ``rows[i]`` of chunk ``row_keys[i]``, each ``[len(rows[i]), dim]`` (a gather:
         the rows are not contiguous, and the copy keeps a reply from showing a later update)."""
-        out = []
-        for k, r in zip(row_keys, rows):
-            c = self.chunks[k]
-            out.append(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)))
-        return tuple(out)
+        chunks = [self.chunks[k] for k in row_keys]
+        return tuple(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)) for c, r in zip(chunks, rows))
 
     def _step_rows_and_tick(self, dense: Sequence[int], row_keys: Sequence[int], rows: Sequence[torch.Tensor],
                             row_grads: Sequence[torch.Tensor]) -> None:
@@ -320,7 +320,7 @@ class ShardCore:
     # ---------------------------------------------------------------- the push
     def push(self, push: Push, stopping: bool = False) -> ReplyNow | AwaitRound | AwaitStaleness | Refuse:
         """Decide ``push`` (module docstring; raises RequestError for a malformed one). ``stopping``: the
-        shard is on its way out, and a sync round would wait for members that are stopping too."""
+        shard is on its way out: a sync round or the SSP bound would wait for workers stopping too."""
         worker, seq = push.sender, push.seq
         self.check(push.keys, push.grads, "push")
         self.check_rows(push.row_keys, push.rows, push.row_grads, "push", push.keys)
@@ -342,8 +342,8 @@ class ShardCore:
             if worker not in self.live_workers:
                 return Refuse("bad_request", f"{worker} is not in this sync group ({sorted(self.live_workers)})")
             if stopping:
-                return Refuse("shutting_down", f"shard {self.shard_id} is stopping; sync round {self.version} will "
-                                               "not complete")
+                return Refuse("shutting_down", f"shard {self.node} is stopping; sync round {self.version} will not "
+                                               "complete")
             if worker in self.round_members:
                 return Refuse("bad_request", f"{worker} pushed twice in sync round {self.version}")
             round_id = self.version
@@ -354,6 +354,9 @@ class ShardCore:
                 self._rounds_done.append(self.finish_round())
             return AwaitRound(round_id)
         if not self.ssp_ready(worker):
+            if stopping:
+                return Refuse("shutting_down", f"shard {self.node} is stopping; {worker}'s push waited for the SSP "
+                                               "bound and was not applied")
             self._tickets += 1
             self.waiting[self._tickets] = push
             return AwaitStaleness(self._tickets)
@@ -518,6 +521,36 @@ class ShardCore:
         return self.version
 
     # ---------------------------------------------------------------- replicas
+    def replicate(self, msg: Replicate) -> str:
+        """A backup: apply its primary's forward ``msg`` in the primary's order (``fseq``: a repeat is
+        acknowledged, not applied again; a gap is refused); returns the ack's detail."""
+        group, last = msg.group, self.applied_forward
+        if msg.op == "state":
+            try:
+                self.load_replica_bytes(msg.grads[0] if msg.grads else torch.empty(0, dtype=torch.uint8))
+            except Exception as exc:  # another layout or a damaged copy: nothing changed
+                raise RequestError(f"replicate of {group!r}: unusable copy ({exc.__class__.__name__}: {exc})",
+                                   "bad_request") from None
+            self.applied_forward = msg.fseq
+            return f"copy of {group} at version {self.version}"
+        if 0 <= msg.fseq <= last:  # a repeat (the primary retried): applied once
+            return f"forward {msg.fseq} of {group} was applied already"
+        if last < 0 or msg.fseq != last + 1:
+            raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
+                               f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
+        self.check(msg.keys, msg.grads, "replicate")
+        self.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
+        if msg.op == "push":
+            self.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+        elif msg.op == "round":
+            self.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
+        elif msg.op == "init":
+            self.set_values(msg.keys, msg.grads)
+        else:
+            raise RequestError(f"replicate: op must be push, round, init or state, got {msg.op!r}", "bad_request")
+        self.applied_forward = msg.fseq
+        return ""
+
     def replica_bytes(self) -> torch.Tensor:
         """A whole copy of this core for a new backup, serialized (uint8): its :meth:`state_dict` plus the
         workers counted in sync rounds and SSP bounds and their clocks. Serialized rather than sent as

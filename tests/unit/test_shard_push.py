@@ -176,6 +176,14 @@ def test_removing_the_slowest_worker_releases_the_pushes_waiting_for_it():
     assert core.version == 4
 
 
+def test_a_push_over_the_bound_is_refused_while_stopping_and_one_within_it_applied():
+    core = _core("ssp", staleness=0, node="ps1")  # a group served by another shard than its first
+    core.push(_push("a"))
+    assert core.push(_push("a"), stopping=True) == Refuse(
+        "shutting_down", "shard ps1 is stopping; a's push waited for the SSP bound and was not applied")
+    assert core.waiting == {} and isinstance(core.push(_push("b"), stopping=True), ReplyNow)
+
+
 def test_a_lone_worker_or_async_is_never_held_back():
     for core in (_core("ssp", staleness=0, workers=("a",)), _core("async", workers=("a", "b"))):
         assert all(isinstance(core.push(_push("a")), ReplyNow) for _ in range(5))
@@ -265,3 +273,35 @@ def test_a_backup_fed_the_decisions_forwards_is_identical_and_duplicates_are_not
     for k, c in primary.chunks.items():
         assert torch.equal(c.param, backup.chunks[k].param), k
     assert (backup.version, backup.last_seq) == (primary.version, primary.last_seq)
+
+
+def test_a_backup_applies_its_primarys_forwards_in_order_and_once():
+    primary, backup = _core(), _core()
+    forwards = [primary.push(_push("a", float(i), seq=i + 1)).forward.replace(fseq=i + 1) for i in range(3)]
+    assert backup.replicate(forwards[0]) == ""
+    assert backup.replicate(forwards[0]) == "forward 1 of ps0 was applied already" and backup.version == 1
+    with pytest.raises(RequestError) as info:
+        backup.replicate(forwards[2])
+    assert info.value.code == "out_of_order" and "forward 3 out of order (last applied 1)" in str(info.value)
+    for f in forwards[1:]:
+        assert backup.replicate(f) == ""
+    assert torch.equal(_param(backup), _param(primary)) and backup.last_seq == primary.last_seq == {"a": 3}
+
+
+def test_a_new_backup_takes_a_whole_copy_before_any_forward():
+    primary, fresh = _core("ssp", staleness=5), _core("ssp", staleness=5)
+    fresh.applied_forward = -1  # a placeholder at the initial values
+    for i in range(2):
+        primary.push(_push("a", 1.0 + i, seq=i + 1))
+    primary.remove_worker("b")
+    copy = Replicate(group="ps0", fseq=4, op="state", grads=(primary.replica_bytes(),))
+    forward = primary.push(_push("a", 3.0, seq=3)).forward.replace(fseq=5)
+    with pytest.raises(RequestError, match="a copy is expected first"):
+        fresh.replicate(forward)
+    assert fresh.replicate(copy) == "copy of ps0 at version 2"
+    assert fresh.replicate(forward) == ""
+    assert torch.equal(_param(fresh), _param(primary)) and fresh.version == 3
+    assert fresh.live_workers == {"a"} and fresh.departed == {"b"}  # counts the same workers
+    with pytest.raises(RequestError) as info:
+        fresh.replicate(Replicate(group="ps0", fseq=6, op="bogus"))
+    assert info.value.code == "bad_request" and fresh.applied_forward == 5

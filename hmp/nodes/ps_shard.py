@@ -58,9 +58,6 @@ from hmp.transport.shm import Arena, ShmSettings, open_process_arena
 #: seconds before a forward the backup refused (it may not know the new map yet) is sent again
 FORWARD_RETRY_S = 0.05
 
-#: sync: the key of a finished round's values under which the members' wanted rows are, by worker
-_ROWS = "rows"
-
 
 class PSShardNode(Node):
     role = Role.PS
@@ -238,12 +235,12 @@ class PSShardNode(Node):
                 round_done = self._rounds[(group, decision.round)] = asyncio.get_running_loop().create_future()
             self._release(core)
             try:
-                version, values = await asyncio.wait_for(asyncio.shield(round_done), timeout)
+                result = await asyncio.wait_for(asyncio.shield(round_done), timeout)
             except TimeoutError:
                 raise RequestError(f"sync round {core.version} incomplete after {timeout} s" + (
                     "" if decision.duplicate else f"; waiting for {sorted(core.live_workers - core.round_members)}"),
                     "timeout") from None
-            return self._round_reply(msg, version, values, core)
+            return self._round_reply(msg, *result, core)
         key = (group, decision.ticket)
         if decision.duplicate:  # a retry of a push still waiting for the SSP bound: answered once it is applied
             try:
@@ -273,11 +270,12 @@ class PSShardNode(Node):
             await forward
         return reply
 
-    def _round_reply(self, msg: Push, version: int, values: dict[int, Any], core: ShardCore) -> Params:
+    def _round_reply(self, msg: Push, version: int, values: dict[int, torch.Tensor], wanted: dict[str, Any],
+                     core: ShardCore) -> Params:
         """A sync member's reply: its chunks as copied when the round finished, and the rows it wanted as
-        gathered then (``values[ROWS]``, by worker; a retried push's rows are gathered now if the round
-        took none for it)."""
-        rows = values.get(_ROWS, {}).get(msg.sender)
+        gathered then (``wanted``, by worker; a retried push's rows are gathered now if the round took
+        none for it)."""
+        rows = wanted.get(msg.sender)
         if msg.want_keys and (rows is None or rows[0] != msg.want_keys):
             rows = (msg.want_keys, core.row_values(msg.want_keys, msg.want_rows))
         row_keys, row_values = rows or ((), ())
@@ -307,7 +305,7 @@ class PSShardNode(Node):
             # The replies' values, copied now (see _params): a member that has its reply may push into the
             # next round before another member's reply is sent.
             every = self._params(done.reply_keys, core)
-            result = (every.version, {**dict(zip(every.keys, every.values)), _ROWS: done.wanted})
+            result = (every.version, dict(zip(every.keys, every.values)), done.wanted)
             forward = self._forward(group, done.forward)
             if forward is None:
                 round_done.set_result(result)

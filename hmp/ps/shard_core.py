@@ -506,9 +506,8 @@ class ShardCore:
     def apply_round(self, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
                     seqs: dict[str, int], row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
                     row_grads: Sequence[torch.Tensor] = ()) -> int:
-        """A backup (sync): apply a round its primary completed (:attr:`last_round`: the averaged
-        gradients, the push numbers it applied per worker, its examples; :attr:`last_round_rows`: its
-        row-sparse part); returns the new version."""
+        """A backup (sync): apply a round its primary completed (:attr:`RoundDone.forward`: the averaged
+        gradients and rows, the push numbers it applied per worker, its examples); returns the new version."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)

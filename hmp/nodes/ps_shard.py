@@ -198,9 +198,9 @@ class PSShardNode(Node):
         try:
             core = self._primary_core(msg.keys or msg.row_keys or msg.want_keys, "push")
             forwarding = self._round_forward.get(core.shard_id)
-            if forwarding is not None and not forwarding.done():
+            if forwarding is not None and not forwarding.done() and not core.seen(msg.sender, msg.seq):
                 # The last round's gradients are its aggregation buffers, sent to the backup as they are:
-                # the next round may write them only once the backup has them.
+                # the next round may write them only once the backup has them (a retry writes none).
                 await asyncio.wait({forwarding}, timeout=self.cfg.limits.request_timeout_s)
             back = msg.sender in core.departed
             decision = core.push(msg, self.stopping.is_set())

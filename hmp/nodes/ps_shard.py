@@ -1,34 +1,22 @@
-"""The PS shard daemon: serves push/pull/init for the chunks placed on it.
+"""The PS shard daemon: the shell around its chunk groups' cores (:mod:`hmp.ps.shard_core`).
 
-Where a message is handled: ``on_push`` validates, then applies (async), waits for the SSP bound
-(ssp) or for the round to complete (sync), and returns the chunks' new values, which the server
-sends. A reply carries a copy of the values taken when the handler returns (see ``_params``): the
-shard may change a chunk again at once, and a reply never carries values of a later update.
-Checkpoints are written off the event loop from a snapshot (see ``checkpoint``): every
+The core decides each push (validation, retried pushes, sync rounds, SSP bounds, membership); this
+shell moves the frames, holds the waiting pushes' futures, copies the replies' values and forwards what
+was applied to the group's backup. A reply carries a copy of the values taken when its update was
+applied (see ``_params``): the shard may change a chunk again at once, and a reply never carries values
+of a later update. Checkpoints are written off the event loop from a snapshot (see ``checkpoint``): every
 ``[ps] checkpoint_every`` updates, at least every ``checkpoint_every_s`` seconds while there are new
 updates, and once more on the way out (stopped, job over, scheduler lost). A failed write is logged
 (file and OS error) and the shard goes on with its previous checkpoint; ``--resume`` falls back to
 the checkpoint before a damaged one (:meth:`ShardCore.resume`).
 
-Restarts (docs/protocol.md, "Shard restarts"): a shard started again with ``--resume`` while its
-job runs joins as before; the scheduler admits it, tells the workers its new address, and they send
-their pushes in flight again with the same ``seq``. A push this shard applied already (its ``seq`` is
-not above the last one applied from that worker) is answered with the current values and not
-applied again; a sync contribution already in the round in progress waits for the round. The
-restarted shard's welcome lists the workers still in the job (``workers``): the others are not
-waited for. ``step`` (the heartbeats') is the shard's version, so that the scheduler knows how many
-updates a crash lost.
-
-Membership: a worker's ``leave`` or the scheduler's ``drop`` takes it out of sync rounds and SSP
-bounds (a round waiting only for it completes at once); a worker that was taken out and pushes
-again is counted again.
-
-Row-sparse tables (docs/protocol.md, "Row-sparse tables"): a push may carry rows of table chunks
-(``row_keys``, ``rows``, ``row_grads``, checked by :meth:`ShardCore.check_rows`) and ask for rows back
-(``want_keys``, ``want_rows``), which the reply carries gathered (that gather is their copy); a pull may
-ask for rows too. Everything above holds for them: retried pushes, SSP bounds, sync rounds (the rows each
-member wants are gathered when the round completes), forwards to the backup. ``status`` counts
-``rows_pushed`` and ``rows_pulled``.
+Restarts (docs/protocol.md, "Shard restarts"): a shard started again with ``--resume`` while its job
+runs joins as before, and the workers send their pushes in flight again with the same ``seq`` (the core
+answers those applied already). The restarted shard's welcome lists the workers still in the job
+(``workers``): the others are not waited for. ``step`` (the heartbeats') is the shard's version, so that
+the scheduler knows how many updates a crash lost. A worker's ``leave`` or the scheduler's ``drop``
+takes the worker out of every group this shard holds; one that pushes again is counted again in all.
+``status`` counts ``rows_pushed`` and ``rows_pulled`` (row-sparse tables, docs/protocol.md).
 
 Shared memory (``[shm]``, docs/shm.md): the shard opens its process's arena when it starts. Pushes
 from workers on this host arrive as read-only views of the workers' gradient buffers (read here,
@@ -55,12 +43,13 @@ from typing import Any
 import torch
 
 from hmp import job
-from hmp.config import Config, Consistency, Role
+from hmp.config import Config, Role
 from hmp.errors import ConfigError, RemoteError, RequestError
 from hmp.messages import Ack, Drop, Init, Kind, Leave, Message, Params, Pull, Push, Replicas, Replicate
 from hmp.nodes.base import Node
+from hmp.ps.checkpoint import CheckpointError, write as write_checkpoint
 from hmp.ps.optim import chunk_optimizer_of
-from hmp.ps.shard_core import CheckpointError, ShardCore
+from hmp.ps.shard_core import AwaitRound, AwaitStaleness, Refuse, Released, ReplyNow, ShardCore
 from hmp.ps.sharding import initial_replicas
 from hmp.transport.endpoint import Client
 from hmp.transport.shm import Arena, ShmSettings, open_process_arena
@@ -68,9 +57,6 @@ from hmp.transport.shm import Arena, ShmSettings, open_process_arena
 
 #: seconds before a forward the backup refused (it may not know the new map yet) is sent again
 FORWARD_RETRY_S = 0.05
-
-#: sync: the key of a finished round's values under which the members' wanted rows are, by worker
-_ROWS = "rows"
 
 
 class PSShardNode(Node):
@@ -94,7 +80,6 @@ class PSShardNode(Node):
             if backup == node_id:  # every node builds the same initial values: the copy starts identical
                 self.backups[group] = self._new_core(group)
         self._forwarded: dict[str, int] = {}  # primary side: forwards sent per group (Replicate.fseq)
-        self._applied_forward: dict[str, int] = {}  # backup side: the last fseq applied per group
         self._backup_clients: dict[str, Client] = {}  # by backup shard id: one ordered connection each
         self._replicas_changed: asyncio.Future | None = None  # resolved at the next replicas message
         self._round_forward: dict[str, asyncio.Task] = {}  # sync: a finished round's forward, per group
@@ -108,25 +93,19 @@ class PSShardNode(Node):
             self._resume()
         self.step = self.core.version  # the heartbeats' step: a restart's lost updates are counted from it
         self.log.info("chunks_owned", chunks=len(initial), bytes=sum(t.numel() * t.element_size() for t in initial.values()))
-        self._changed = asyncio.Condition()  # ssp clocks / sync rounds advance
-        self._round_done: dict[str, asyncio.Future] = {}  # sync: the round in progress, per group
-        #: sync: the rows each member of the round in progress wants back (a push's want_keys/want_rows), per group
-        self._round_wants: dict[str, dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]]] = {}
+        #: the pushes waiting (sync: by group and round, resolved with the round's values; ssp: by group and
+        #: ticket, resolved with the push's reply and forward once applied, None if it will not be)
+        self._rounds: dict[tuple[str, int], asyncio.Future] = {}
+        self._ssp: dict[tuple[str, int], asyncio.Future] = {}
         self._last_checkpoint = self.core.updates_applied  # updates in the last checkpoint written
         # The last checkpoint tried, written or not: a failing disk is retried at the configured pace, not
         # on every push.
         self._last_attempt = self.core.updates_applied
         self._last_attempt_at = time.monotonic()
         self._checkpointing: asyncio.Task | None = None  # the checkpoint being written, if any
-        self._departed: set[str] = set()  # workers taken out by leave or drop: counted again if they push
-        # SSP pushes waiting for the bound, by (worker, seq): each resolved True once applied, False if not
-        self._ssp_waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.stats = {"pushes": 0, "pulls": 0, "rejected": 0, "checkpoints": 0, "checkpoint_failures": 0,
                       "drops": 0, "duplicates": 0, "forwards": 0, "forwards_applied": 0, "promotions": 0,
                       "copies_sent": 0, "unreplicated_acks": 0, "rows_pushed": 0, "rows_pulled": 0}
-        # A sweep's members are independent: one diverging member's NaN stays in its own slice of
-        # every chunk, and refusing the push would stop the others too (its report shows it).
-        self.reject_nonfinite = cfg.ps.reject_nonfinite and not cfg.sweep.members
         #: where reply copies go (main() opens the process arena; the server finds it there)
         self.arena: Arena | None = None
 
@@ -136,7 +115,10 @@ class PSShardNode(Node):
         initial = self.sharded.initial_chunks(self.shard_ids.index(group))
         return ShardCore(group, initial, *chunk_optimizer_of(self.cfg), self.cfg.train.consistency,
                          self.cfg.train.staleness, workers=[w.id for w in self.cfg.workers],
-                         row_dims={c.key: c.dim for c in self.sharded.layout.chunks if c.dim and c.key in initial})
+                         row_dims={c.key: c.dim for c in self.sharded.layout.chunks if c.dim and c.key in initial},
+                         # A sweep's members are independent: one diverging member's NaN stays in its own slice
+                         # of every chunk, and refusing the push would stop the others too (its report shows it).
+                         reject_nonfinite=self.cfg.ps.reject_nonfinite and not self.cfg.sweep.members, node=self.id)
 
     def _resume(self) -> None:
         """``--resume``: continue from the checkpoint, or from the one before it if it is damaged. No
@@ -178,10 +160,9 @@ class PSShardNode(Node):
         The copy is needed: a zero-copy reply would hand libzmq the shard's own chunk tensors, and
         libzmq reads them until the last byte is on the wire (over inproc://, until the receiver
         drops the frames), so the next update would have to wait for every reply still in flight
-        or the reply would carry values of that later update. bench/reply.py measures both (2 workers
-        x 16 MiB in 1 MiB chunks, loopback, 2 cores): the copy's rounds were as fast or faster (copy /
-        zero-copy round time 0.94 and 1.01 in two runs) for ~8% more shard CPU, and it needs no
-        trackers, no waits before a mutation and no ordering between updates and replies.
+        or the reply would carry values of that later update. The copy was as fast in bench/reply.py
+        (docs/architecture.md) and needs no trackers, no waits before a mutation and no ordering
+        between updates and replies.
 
         With a shared-memory arena the copy goes into a reply slot (the same one copy): workers on
         this host read it in place; for the others it is sent as frames, like a clone.
@@ -213,123 +194,88 @@ class PSShardNode(Node):
         return self.core
 
     async def on_push(self, msg: Push, peer: bytes) -> Message:
+        """Move a push to its group's core and its decision back (:meth:`ShardCore.push`)."""
         try:
             core = self._primary_core(msg.keys or msg.row_keys or msg.want_keys, "push")
-            core.check(msg.keys, msg.grads, "push")
-            core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "push", msg.keys)
-            core.check_rows(msg.want_keys, msg.want_rows, None, "push (want_rows)")
-            if self.reject_nonfinite:
-                core.check_finite(msg.keys, msg.grads, "push")
-                core.check_finite(msg.row_keys, msg.row_grads, "push (row_grads)")
+            forwarding = self._round_forward.get(core.shard_id)
+            if forwarding is not None and not forwarding.done() and not core.seen(msg.sender, msg.seq):
+                # The last round's gradients are its aggregation buffers, sent to the backup as they are:
+                # the next round may write them only once the backup has them (a retry writes none).
+                await asyncio.wait({forwarding}, timeout=self.cfg.limits.request_timeout_s)
+            back = msg.sender in core.departed
+            decision = core.push(msg, self.stopping.is_set())
         except RequestError:
             self.stats["rejected"] += 1
             raise
         self.stats["pushes"] += 1
         self.stats["rows_pushed"] += sum(r.numel() for r in msg.rows)
-        group = core.shard_id
-        worker = msg.sender
-        seen = core.seen(worker, msg.seq)
-        if seen == "applied":  # a retry of a push applied before (its reply was lost): not applied twice
-            self.stats["duplicates"] += 1
-            return self._params(msg.keys, core, msg.want_keys, msg.want_rows)
-        round_done = self._round_done.get(group)
-        if seen == "pending" and round_done is not None and not round_done.done():
-            self.stats["duplicates"] += 1  # sync: already in the round in progress; answered with it
-            try:
-                version, values = await asyncio.wait_for(asyncio.shield(round_done),
-                                                         self.cfg.limits.request_timeout_s)
-            except TimeoutError:
-                raise RequestError(f"sync round {core.version} incomplete after "
-                                   f"{self.cfg.limits.request_timeout_s} s", "timeout") from None
-            return self._round_reply(msg, version, values, core)
-        waiting = self._ssp_waiting.get((worker, msg.seq)) if msg.seq else None
-        if waiting is not None:  # a retry of a push still waiting for the SSP bound: answered once it is applied
-            self.stats["duplicates"] += 1
-            try:
-                applied = await asyncio.wait_for(asyncio.shield(waiting), self.cfg.limits.request_timeout_s)
-            except TimeoutError:
-                raise RequestError(f"{worker}'s push {msg.seq} still waits for the SSP bound", "timeout") from None
-            if applied:
-                return self._params(msg.keys, core, msg.want_keys, msg.want_rows)
-        if worker in self._departed:  # left or dropped, and pushing again: it came back
-            self._departed.discard(worker)
+        if back and msg.sender not in core.departed:  # left or dropped, and pushing again: it came back
             for c in self._all_cores():
-                c.add_worker(worker)
-            self.log.info("worker_back", worker=worker)
-        timeout = self.cfg.limits.request_timeout_s
-        if core.consistency == Consistency.SYNC:
-            if worker not in core.live_workers:
-                raise RequestError(f"{worker} is not in this sync group ({sorted(core.live_workers)})", "bad_request")
-            if self.stopping.is_set():  # the round would wait for members that are stopping too
-                raise RequestError(f"shard {self.id} is stopping; sync round {core.version} will not "
-                                   "complete", "shutting_down")
-            forwarding = self._round_forward.get(group)
-            if forwarding is not None and not forwarding.done():
-                # The last round's gradients are its aggregation buffers, sent to the backup as they are:
-                # the next round may write them only once the backup has them.
-                await asyncio.wait({forwarding}, timeout=timeout)
-            round_done = self._round_done.get(group)
-            if round_done is None or round_done.done():
-                round_done = self._round_done[group] = asyncio.get_running_loop().create_future()
-            if msg.want_keys:  # copies of the ids (small): read when the round completes, after this handler's turn
-                self._round_wants.setdefault(group, {})[worker] = (msg.want_keys,
-                                                                   tuple(r.clone() for r in msg.want_rows))
-            core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
-            self._maybe_finish_round(core)
-            try:
-                version, values = await asyncio.wait_for(asyncio.shield(round_done), timeout)
-            except TimeoutError:
-                raise RequestError(f"sync round {core.version} incomplete after {timeout} s; waiting for "
-                                   f"{sorted(core.live_workers - core.round_members)}", "timeout") from None
-            # The round's values as copied when it finished (one copy shared by every member's reply).
-            return self._round_reply(msg, version, values, core)
-        else:
-            if not core.ssp_ready(worker):
-                # A retry of this push (the worker abandoned it when a shard went down) must not be
-                # applied too: it waits for this one (see above).
-                done = asyncio.get_running_loop().create_future()
-                if msg.seq:
-                    self._ssp_waiting[(worker, msg.seq)] = done
-                try:
-                    async with self._changed:
-                        try:
-                            await asyncio.wait_for(self._changed.wait_for(
-                                lambda: core.ssp_ready(worker) or self.stopping.is_set()), timeout)
-                        except TimeoutError:
-                            raise RequestError(f"{worker} stayed more than {core.staleness} updates ahead "
-                                               f"for {timeout} s", "timeout") from None
-                    if not core.ssp_ready(worker):
-                        raise RequestError(f"shard {self.id} is stopping; {worker}'s push waited for the SSP "
-                                           "bound and was not applied", "shutting_down")
-                    self._apply(core, msg)
-                    done.set_result(True)
-                finally:
-                    if not done.done():
-                        done.set_result(False)
-                    if self._ssp_waiting.get((worker, msg.seq)) is done:
-                        del self._ssp_waiting[(worker, msg.seq)]
-            else:
-                self._apply(core, msg)
-            self.step = self.core.version
+                c.add_worker(msg.sender)
+            self.log.info("worker_back", worker=msg.sender)
+        return await self._answer(core, msg, decision)
+
+    async def _answer(self, core: ShardCore, msg: Push, decision: ReplyNow | AwaitRound | AwaitStaleness | Refuse
+                      ) -> Params:
+        """The reply to ``msg`` as ``decision`` says: now, or when the round or the SSP bound lets it."""
+        group, worker, timeout = core.shard_id, msg.sender, self.cfg.limits.request_timeout_s
+        self.stats["duplicates"] += getattr(decision, "duplicate", False)
+        if isinstance(decision, Refuse):
+            raise RequestError(decision.text, decision.code)
+        if isinstance(decision, ReplyNow):
             reply = self._params(msg.keys, core, msg.want_keys, msg.want_rows)  # this update's values, now
-            forward = self._forward(group, Replicate(group=group, fseq=0, op="push", keys=msg.keys, grads=msg.grads,
-                                                     worker=worker, seq=msg.seq, samples=msg.samples,
-                                                     row_keys=msg.row_keys, rows=msg.rows, row_grads=msg.row_grads))
-            async with self._changed:
-                self._changed.notify_all()
-            self._maybe_checkpoint()
+            forward = None if decision.forward is None else self._forward(group, decision.forward)
+            self._release(core)
             if forward is not None:  # acknowledged once the backup has it too
                 await forward
             return reply
+        if isinstance(decision, AwaitRound):
+            round_done = self._rounds.get((group, decision.round))
+            if round_done is None:
+                round_done = self._rounds[(group, decision.round)] = asyncio.get_running_loop().create_future()
+            self._release(core)
+            try:
+                result = await asyncio.wait_for(asyncio.shield(round_done), timeout)
+            except TimeoutError:
+                raise RequestError(f"sync round {core.version} incomplete after {timeout} s" + (
+                    "" if decision.duplicate else f"; waiting for {sorted(core.live_workers - core.round_members)}"),
+                    "timeout") from None
+            return self._round_reply(msg, *result, core)
+        key = (group, decision.ticket)
+        if decision.duplicate:  # a retry of a push still waiting for the SSP bound: answered once it is applied
+            try:
+                applied = await asyncio.wait_for(asyncio.shield(self._ssp[key]), timeout)
+            except TimeoutError:
+                raise RequestError(f"{worker}'s push {msg.seq} still waits for the SSP bound", "timeout") from None
+            if applied is not None:
+                return self._params(msg.keys, core, msg.want_keys, msg.want_rows)
+            return await self._answer(core, msg, core.push(msg, self.stopping.is_set()))  # it was not: anew
+        waiter = self._ssp[key] = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                applied = await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            except TimeoutError:
+                raise RequestError(f"{worker} stayed more than {core.staleness} updates ahead for {timeout} s",
+                                   "timeout") from None
+        finally:
+            if not waiter.done():  # not applied: a retry waiting with it is decided anew
+                waiter.set_result(None)
+            core.withdraw(decision.ticket)
+            self._ssp.pop(key, None)
+        if applied is None:
+            raise RequestError(f"shard {self.id} is stopping; {worker}'s push waited for the SSP bound and was "
+                               "not applied", "shutting_down")
+        reply, forward = applied
+        if forward is not None:
+            await forward
+        return reply
 
-    def _apply(self, core: ShardCore, msg: Push) -> None:
-        core.apply(msg.sender, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
-
-    def _round_reply(self, msg: Push, version: int, values: dict[int, Any], core: ShardCore) -> Params:
+    def _round_reply(self, msg: Push, version: int, values: dict[int, torch.Tensor], wanted: dict[str, Any],
+                     core: ShardCore) -> Params:
         """A sync member's reply: its chunks as copied when the round finished, and the rows it wanted as
-        gathered then (``values[ROWS]``, by worker; a retried push's rows are gathered now if the round
-        took none for it)."""
-        rows = values.get(_ROWS, {}).get(msg.sender)
+        gathered then (``wanted``, by worker; a retried push's rows are gathered now if the round took
+        none for it)."""
+        rows = wanted.get(msg.sender)
         if msg.want_keys and (rows is None or rows[0] != msg.want_keys):
             rows = (msg.want_keys, core.row_values(msg.want_keys, msg.want_rows))
         row_keys, row_values = rows or ((), ())
@@ -341,32 +287,32 @@ class PSShardNode(Node):
         that a backup promoted later counts the same workers as its primary did."""
         return [*self.cores.values(), *self.backups.values()]
 
-    def _maybe_finish_round(self, core: ShardCore) -> None:
-        if core.consistency == Consistency.SYNC and core.round_complete():
-            group = core.shard_id
-            version = core.finish_round()
-            if core is self.core:
-                self.step = version
-            round_done = self._round_done.get(group)
-            if round_done is not None and not round_done.done():
-                # The replies' values, copied now (see _params): a member that has its reply may
-                # push into the next round before another member's reply is sent.
-                keys, grads, seqs, samples = core.last_round or ((), (), {}, 0)
-                row_keys, rows, row_grads = core.last_round_rows
-                # Row-sparse chunks only where pushed whole: their members want rows (gathered below).
-                every = self._params(tuple(k for k, c in core.chunks.items() if not c.dim or k in keys), core)
-                values: dict[Any, Any] = dict(zip(every.keys, every.values))
-                wants = self._round_wants.pop(group, {})
-                values[_ROWS] = {w: (wk, core.row_values(wk, wr)) for w, (wk, wr) in wants.items()}
-                result = (every.version, values)
-                forward = self._forward(group, Replicate(group=group, fseq=0, op="round", keys=keys, grads=grads,
-                                                         samples=samples, round_seqs=seqs, row_keys=row_keys,
-                                                         rows=rows, row_grads=row_grads))
-                if forward is None:
-                    round_done.set_result(result)
-                else:  # the members are answered once the backup applied the round too
-                    self._round_forward[group] = asyncio.ensure_future(self._answer_round(forward, round_done, result))
-            self._maybe_checkpoint()
+    def _release(self, core: ShardCore) -> None:
+        """Answer the waiters the last change to ``core`` released (:meth:`ShardCore.next_release`), each
+        reply's values copied and its forward started before the next update: in the order applied."""
+        group = core.shard_id
+        while (done := core.next_release()) is not None:
+            if isinstance(done, Released):
+                reply = self._params(done.push.keys, core, done.push.want_keys, done.push.want_rows)
+                waiter = self._ssp.get((group, done.ticket))
+                forward = self._forward(group, done.forward)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result((reply, forward))
+                continue
+            round_done = self._rounds.pop((group, done.round), None)
+            if round_done is None or round_done.done():
+                continue
+            # The replies' values, copied now (see _params): a member that has its reply may push into the
+            # next round before another member's reply is sent.
+            every = self._params(done.reply_keys, core)
+            result = (every.version, dict(zip(every.keys, every.values)), done.wanted)
+            forward = self._forward(group, done.forward)
+            if forward is None:
+                round_done.set_result(result)
+            else:  # the members are answered once the backup applied the round too
+                self._round_forward[group] = asyncio.ensure_future(self._answer_round(forward, round_done, result))
+        self.step = self.core.version
+        self._maybe_checkpoint()
 
     @staticmethod
     async def _answer_round(forward: asyncio.Future, round_done: asyncio.Future, result: Any) -> None:
@@ -390,7 +336,7 @@ class PSShardNode(Node):
     async def on_init(self, msg: Init, peer: bytes) -> Message:
         core = self._primary_core(msg.keys, "init")
         core.check(msg.keys, msg.values, "init")
-        if self.reject_nonfinite:
+        if core.reject_nonfinite:
             core.check_finite(msg.keys, msg.values, "init")
         core.set_values(msg.keys, msg.values)
         forward = self._forward(core.shard_id, Replicate(group=core.shard_id, fseq=0, op="init", keys=msg.keys,
@@ -401,7 +347,7 @@ class PSShardNode(Node):
 
     async def on_leave(self, msg: Leave, peer: bytes) -> Message:
         """A worker is done: it no longer holds back sync rounds or the SSP bound."""
-        await self._remove_worker(msg.sender)
+        self._remove_worker(msg.sender)
         self.log.info("worker_left", worker=msg.sender)
         return Ack()
 
@@ -413,34 +359,33 @@ class PSShardNode(Node):
             raise RequestError(f"drop of {msg.node!r} from {msg.sender!r}: only the scheduler ({scheduler!r}) "
                                "may drop a worker", "unauthorized")
         known = msg.node in self.core.live_workers
-        await self._remove_worker(msg.node)
+        self._remove_worker(msg.node)
         self.stats["drops"] += 1
         self.log.info("worker_dropped", worker=msg.node, reason=msg.reason, was_live=known)
         return Ack(detail=f"{msg.node} dropped" if known else f"{msg.node} was not counted")
 
-    async def _remove_worker(self, worker: str) -> None:
-        """Take ``worker`` out of sync rounds and SSP bounds; wake what waited for it."""
-        if any(worker in c.live_workers for c in self._all_cores()):
-            self._departed.add(worker)  # only workers once counted: the set stays as small as the job
+    def _remove_worker(self, worker: str) -> None:
+        """Take ``worker`` out of sync rounds and SSP bounds; answer what waited for it."""
         for c in self._all_cores():
             c.remove_worker(worker)
         for c in list(self.cores.values()):
-            self._maybe_finish_round(c)
-        async with self._changed:
-            self._changed.notify_all()
+            self._release(c)
 
-    async def _release_waiters(self) -> None:
+    def _release_waiters(self) -> None:
         """On the way out, pushes waiting for a sync round or the SSP bound get a ``shutting_down`` error now
         rather than at ``request_timeout_s`` (the round will not complete: its members are told so)."""
-        for group, round_done in self._round_done.items():
+        for (group, _), round_done in self._rounds.items():
             if not round_done.done():
                 version = self.cores[group].version if group in self.cores else "?"
                 round_done.set_exception(RequestError(
                     f"shard {self.id} is stopping; sync round {version} of {group} will not complete",
                     "shutting_down"))
+        for (group, ticket), waiter in self._ssp.items():
+            if not waiter.done():  # not applied: a retry waiting with it is decided anew (and refused)
+                waiter.set_result(None)
+                if group in self.cores:
+                    self.cores[group].withdraw(ticket)
         self._wake_forwards()
-        async with self._changed:
-            self._changed.notify_all()
 
     # ---------------------------------------------------------------- replicas ([ps] replicas = 2)
     def _forward(self, group: str, msg: Replicate) -> asyncio.Future | None:
@@ -584,11 +529,10 @@ class PSShardNode(Node):
                 del self.cores[group]
             if backup != self.id and primary != self.id and group in self.backups:
                 del self.backups[group]
-                self._applied_forward.pop(group, None)
             elif backup == self.id and group not in self.backups:
                 # Its primary sends a whole copy: until then a placeholder at the initial values.
                 self.backups[group] = self._new_core(group)
-                self._applied_forward[group] = -1  # nothing but the copy is applied first
+                self.backups[group].applied_forward = -1  # nothing but the copy is applied first
         for group in list(self.cores):
             backup = groups.get(group, ("", ""))[1]
             if not backup:
@@ -627,33 +571,10 @@ class PSShardNode(Node):
         if backup != self.id or core is None:
             raise RequestError(f"replicate of {group!r}: shard {self.id} is not its backup (epoch {self.replica_epoch})",
                                "bad_request")
-        last = self._applied_forward.get(group, 0)
+        detail = core.replicate(msg)
         if msg.op == "state":
-            try:
-                core.load_replica_bytes(msg.grads[0] if msg.grads else torch.empty(0, dtype=torch.uint8))
-            except Exception as exc:  # another layout or a damaged copy: nothing changed
-                raise RequestError(f"replicate of {group!r}: unusable copy ({exc.__class__.__name__}: {exc})",
-                                   "bad_request") from None
-            self._applied_forward[group] = msg.fseq
             self.log.info("copy_received", group=group, version=core.version, fseq=msg.fseq)
-            return Ack(detail=f"copy of {group} at version {core.version}")
-        if 0 <= msg.fseq <= last:  # a repeat (the primary retried): applied once
-            return Ack(detail=f"forward {msg.fseq} of {group} was applied already")
-        if last < 0 or msg.fseq != last + 1:
-            raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
-                               f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
-        core.check(msg.keys, msg.grads, "replicate")
-        core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
-        if msg.op == "push":
-            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
-        elif msg.op == "round":
-            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
-        elif msg.op == "init":
-            core.set_values(msg.keys, msg.grads)
-        else:
-            raise RequestError(f"replicate: op must be push, round, init or state, got {msg.op!r}", "bad_request")
-        self._applied_forward[group] = msg.fseq
-        return Ack()
+        return Ack(detail=detail)
 
     def _maybe_checkpoint(self) -> None:
         """Start writing a checkpoint in the background when one is due (``checkpoint_every`` updates since
@@ -713,7 +634,7 @@ class PSShardNode(Node):
             path = self.checkpoint_path if group == self.id else self.checkpoint_path.with_name(f"{group}.pt")
             keep_previous = self._keep_previous if group == self.id else True
             try:
-                await asyncio.to_thread(ShardCore.write, snapshot, path, keep_previous)
+                await asyncio.to_thread(write_checkpoint, snapshot, path, keep_previous)
             except OSError as exc:
                 self.stats["checkpoint_failures"] += 1
                 self.log.error("checkpoint_failed", path=str(path), version=snapshot["version"],
@@ -754,13 +675,13 @@ class PSShardNode(Node):
                                     int(replicas["epoch"]), {str(i): str(a) for i, a in welcome.info["shards"]})
             if "workers" in welcome.info:  # a rejoin: the workers gone meanwhile hold no round or bound back
                 for worker in sorted(self.core.live_workers - set(welcome.info["workers"])):
-                    await self._remove_worker(worker)
+                    self._remove_worker(worker)
             await self.stopping.wait()
         finally:
             # Every way out comes here: stopped (signal, shutdown, job over), the scheduler lost (fail()
             # cancels main), a background task failed, or refused at join.
             self.step = self.core.version
-            await self._release_waiters()
+            self._release_waiters()
             if self._checkpointing is not None:  # one write at a time: the final one goes last
                 await asyncio.gather(self._checkpointing, return_exceptions=True)
             if self.welcome is not None or self._updates() > self._last_checkpoint:

@@ -1,55 +1,32 @@
-"""The PS shard's sans-IO core: chunk ownership, aggregation, optimizer, consistency, checkpoints.
+"""The PS shard's sans-IO core: chunk ownership, aggregation, optimizer, and the consistency rules of a push.
 
-No sockets and no awaiting here: the node shell (:mod:`hmp.nodes.ps_shard`) calls these methods
-from its event-loop thread, so the updates of a chunk never interleave; each chunk has exactly one
-owner, the shard's loop (after PHub's one-owner-per-chunk rule).
+No sockets, no awaiting, no clock: the node shell (:mod:`hmp.nodes.ps_shard`) calls it from its event-loop
+thread, so the updates of a chunk never interleave (one owner per chunk, after PHub), and turns its
+decisions into replies, waits and forwards to the group's backup. Events in, decisions out:
 
-Data path per chunk (1-D tensors, one dtype):
-* ``async`` and ``ssp``: the pushed gradient (a read-only view over the receive frame) goes straight
-  into the optimizer, which updates the parameter in place; no copy.
-* ``sync``: the first gradient of a round is copied into the chunk's aggregation buffer (allocated
-  once), later ones are added in place; when every live worker has contributed, the sum is scaled
-  by 1/contributors and the optimizer applies it.
+* :meth:`ShardCore.push` (a worker's :class:`~hmp.messages.Push`) -> :class:`ReplyNow` (answer with the
+  current values), :class:`AwaitRound` (sync: answer when the round completes), :class:`AwaitStaleness`
+  (ssp: the worker is more than ``staleness`` updates ahead of the slowest: answer once applied) or
+  :class:`Refuse`; a malformed push raises :class:`~hmp.errors.RequestError`.
+* :meth:`ShardCore.remove_worker` (a ``leave`` or ``drop``: no longer waited for). After it and after every
+  push, :meth:`ShardCore.next_release` says, one at a time, which waiters are answered now: a finished
+  sync round's members (:class:`RoundDone`) or a push that waited for the SSP bound (:class:`Released`).
 
-Checkpoint files (:meth:`ShardCore.write`, :meth:`ShardCore.read`): a 52-byte header (magic
-``HMPSHARD``, format version, payload length, SHA-256 of the payload), then the ``torch.save``
-payload of a :meth:`ShardCore.state_dict`. A file is verified before anything in it is trusted:
-a torn, truncated or corrupted one is a :class:`CheckpointError` naming the file and what is
-wrong with it. Writing keeps the previous checkpoint as ``NAME.prev.pt`` (rotated by rename), so
-:meth:`ShardCore.resume` has a good one to fall back to.
-
-Retried pushes (docs/protocol.md, "Shard restarts"): a push may carry a ``seq``, increasing per worker.
-The core remembers the last ``seq`` applied from each worker (:attr:`ShardCore.last_seq`, saved in
-checkpoints with the parameters it belongs to), and :meth:`ShardCore.seen` tells the shell that a
-push was applied already: it is answered with the current values, not applied twice. In sync mode
-a contribution counts as applied once its round is (:attr:`ShardCore.round_seq` until then): a
-shard restarted from a checkpoint taken mid-round expects the round's contributions again.
-
-Replicas (``[ps] replicas = 2``, docs/resilience.md): a backup shard keeps a core of its primary's chunk
-group fed with what the primary applied: :meth:`ShardCore.apply` with the forwarded push (async, ssp),
-:meth:`ShardCore.apply_round` with the round's averaged gradients (sync, :attr:`ShardCore.last_round`).
-The optimizers are deterministic, so the same gradients applied in the same order give a bit-identical
-copy: values, optimizer state, version and push numbers. :meth:`ShardCore.replica_bytes` is a whole
-copy, for a new backup (:meth:`ShardCore.load_replica_bytes`).
-
-Row-sparse tables (docs/protocol.md, "Row-sparse tables"): a chunk built with a row width (``row_dims``)
-holds whole rows of an embedding table, and a push may carry gradients of some of its rows only
-(``row_keys``, ``rows``, ``row_grads``; :meth:`ShardCore.check_rows`): only those rows of the values and
-of the optimizer state change (:meth:`hmp.ps.optim.ChunkOptimizer.step_rows`). Every update of the
-shard counts as a step of each of its row-sparse chunks, touched or not, so that a chunk's step count
-(the schedule's and Adam's bias corrections') is the shard's update count, as for dense chunks. In sync
-mode a round sums the rows its members pushed into the chunk's aggregation buffer (kept at zero
-between rounds) and applies the union of the touched rows, averaged over the round's members (a member
-that did not touch a row contributed zero to it).
+What a decision applied comes with the :class:`~hmp.messages.Replicate` that feeds the group's backup
+(docs/resilience.md: :meth:`ShardCore.apply`, :meth:`ShardCore.apply_round` there; the optimizers are
+deterministic, so the copy is bit-identical). Retried pushes (docs/protocol.md, "Shard restarts") carry
+the first try's ``seq``: one applied already (:attr:`ShardCore.last_seq`, saved in checkpoints with the
+parameters that hold it) is answered, not applied again; one in the round in progress or waiting for the
+SSP bound waits with it. Row-sparse tables (``row_dims``, docs/protocol.md, "Row-sparse tables"): a push
+may carry gradients of some rows of a chunk; every update counts as a step of each row-sparse chunk,
+touched or not, so that its step count (the schedule's, Adam's) is the shard's update count. Checkpoint
+files: :mod:`hmp.ps.checkpoint`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
-import os
-import struct
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -58,50 +35,71 @@ from typing import Any
 import torch
 
 from hmp.config import Consistency
-from hmp.errors import HmpError, RequestError
+from hmp.errors import RequestError
+from hmp.messages import Push, Replicate
+from hmp.ps import checkpoint
+from hmp.ps.checkpoint import CheckpointError
 from hmp.ps.optim import accumulate, make_chunk_optimizer, scale_
 
 
-#: checkpoint header: magic, format version, payload bytes, SHA-256 of the payload (little-endian)
-CHECKPOINT_HEADER = struct.Struct("<8sIQ32s")
-CHECKPOINT_MAGIC = b"HMPSHARD"
-CHECKPOINT_FORMAT = 1
+# ---------------------------------------------------------------- decisions (push)
+@dataclasses.dataclass(frozen=True)
+class ReplyNow:
+    """Answer with the chunks' current values (and the rows the push wants), once ``forward`` (what the
+    push applied; None: nothing, a retry of a push applied before) is with the group's backup."""
+
+    forward: Replicate | None = None
+    duplicate: bool = False
 
 
-class CheckpointError(HmpError):
-    """A checkpoint file that cannot be used: missing, empty, truncated, corrupted or not one of ours.
-    ``path`` is the file, ``why`` what is wrong with it (one line)."""
+@dataclasses.dataclass(frozen=True)
+class AwaitRound:
+    """Sync: answer with the values of round ``round`` (the version it was contributed at) when it is
+    done (:class:`RoundDone`); ``duplicate``: a retry of a contribution already in it."""
 
-    def __init__(self, path: Path, why: str) -> None:
-        super().__init__(f"{path}: {why}")
-        self.path, self.why = path, why
-
-
-class _DigestWriter:
-    """A file's ``write`` that also counts and hashes what goes through (what ``torch.save`` needs of a file)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.nbytes, self.sha256 = f, 0, hashlib.sha256()
-        #: the OSError a write raised: torch.save reports it as a RuntimeError of its zip writer
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self.sha256.update(view)
-        self.nbytes += view.nbytes
-        try:
-            return self.f.write(view)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
+    round: int
+    duplicate: bool = False
 
 
-def previous_checkpoint(path: Path) -> Path:
-    """Where the checkpoint before ``path`` is kept: ``ps0.pt`` -> ``ps0.prev.pt``."""
-    return path.with_name(f"{path.stem}.prev{path.suffix}")
+@dataclasses.dataclass(frozen=True)
+class AwaitStaleness:
+    """SSP: answer when push ``ticket`` is released (:class:`Released`); ``duplicate``: this is a retry of
+    waiting push ``ticket`` (answered with the current values once that one is applied)."""
+
+    ticket: int
+    duplicate: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Refuse:
+    """Answer with an error: ``code`` and ``text`` as on the wire."""
+
+    code: str
+    text: str
+
+
+# ---------------------------------------------------------------- releases (next_release)
+@dataclasses.dataclass(frozen=True)
+class RoundDone:
+    """Sync round ``round`` is applied (now ``version``): its members are answered with ``reply_keys``'
+    values copied now and the rows each wanted (``wanted``, by worker, gathered), once ``forward`` is
+    with the backup (the next round may write the aggregation buffers only then: ``forward`` holds them)."""
+
+    round: int
+    version: int
+    reply_keys: tuple[int, ...]
+    wanted: dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]]
+    forward: Replicate
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """SSP: ``push`` (its :class:`AwaitStaleness` ``ticket``) is within the bound and applied now: answer it
+    with the values as they are now, once ``forward`` is with the backup."""
+
+    ticket: int
+    push: Push
+    forward: Replicate
 
 
 @dataclasses.dataclass
@@ -127,13 +125,16 @@ class ShardCore:
 
     def __init__(self, shard_id: str, chunks: dict[int, torch.Tensor], optimizer: str, hyper: dict[str, Any],
                  consistency: str = Consistency.ASYNC, staleness: int = 0, workers: Iterable[str] = (),
-                 row_dims: dict[int, int] | None = None) -> None:
-        """``row_dims``: ``{chunk key: row width}`` of the chunks that hold rows of a row-sparse table."""
+                 row_dims: dict[int, int] | None = None, reject_nonfinite: bool = True, node: str = "") -> None:
+        """``row_dims``: ``{chunk key: row width}`` of the chunks that hold rows of a row-sparse table;
+        ``reject_nonfinite``: refuse pushes with NaN or infinite gradients (:meth:`check_finite`); ``node``:
+        the shard daemon serving it (default ``shard_id``), named when it refuses pushes on its way out."""
         if consistency not in tuple(Consistency):
             raise ValueError(f"consistency must be async, sync or ssp, got {consistency!r}")
-        self.shard_id = shard_id
+        self.shard_id, self.node = shard_id, node or shard_id
         self.consistency = consistency
         self.staleness = staleness
+        self.reject_nonfinite = reject_nonfinite
         self.optimizer_name, self.hyper = optimizer, dict(hyper)
         # Cloned once at start: the shard owns and mutates its chunks, while the given values are views of the
         # model (or of a received frame) that the caller keeps.
@@ -150,8 +151,9 @@ class ShardCore:
         self.version = 0
         self.updates_applied = 0  # pushes applied (async/ssp) or rounds completed (sync)
         self.samples = 0
-        # sync rounds and ssp clocks, per worker
+        # sync rounds and ssp clocks, per worker; the workers taken out (leave, drop), counted again if they push
         self.live_workers: set[str] = set()
+        self.departed: set[str] = set()
         self.round_members: set[str] = set()
         self.clock: dict[str, int] = {}
         # Retried pushes: the last seq applied per worker (in checkpoints), and (sync) the seq each member
@@ -159,12 +161,18 @@ class ShardCore:
         self.last_seq: dict[str, int] = {}
         self.round_seq: dict[str, int] = {}
         self.round_samples = 0  # sync: the examples of the round in progress
+        #: sync: the rows each member of the round in progress wants back (copies of a push's want_keys/want_rows)
+        self.round_wants: dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         #: sync: what the last finish_round applied, ``(keys, gradients, seqs, samples)``, for a backup
         #: (:meth:`apply_round`); the gradients are the aggregation buffers, valid until the next round starts
         self.last_round: tuple[tuple[int, ...], tuple[torch.Tensor, ...], dict[str, int], int] | None = None
-        #: sync: the row-sparse part of the last round, ``(row keys, rows, averaged row gradients)`` (new tensors)
         self._zero_after_forward: tuple[int, ...] = ()  # sync: row-sparse chunks the last round applied whole
-        self.last_round_rows: tuple[tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), (), ())
+        #: ssp: the pushes waiting for the bound, by ticket (:class:`AwaitStaleness`), in arrival order
+        self.waiting: dict[int, Push] = {}
+        self._tickets = 0
+        self._rounds_done: list[RoundDone] = []  # sync: finished rounds not yet released (next_release)
+        #: a backup: the last forward of its primary applied (``Replicate.fseq``; -1: a whole copy comes first)
+        self.applied_forward = 0
         for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
             self.add_worker(w)
 
@@ -252,11 +260,8 @@ class ShardCore:
     def row_values(self, row_keys: Sequence[int], rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Copies of rows ``rows[i]`` of chunk ``row_keys[i]``, each ``[len(rows[i]), dim]`` (a gather:
         the rows are not contiguous, and the copy keeps a reply from showing a later update)."""
-        out = []
-        for k, r in zip(row_keys, rows):
-            c = self.chunks[k]
-            out.append(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)))
-        return tuple(out)
+        chunks = [self.chunks[k] for k in row_keys]
+        return tuple(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)) for c, r in zip(chunks, rows))
 
     def _step_rows_and_tick(self, dense: Sequence[int], row_keys: Sequence[int], rows: Sequence[torch.Tensor],
                             row_grads: Sequence[torch.Tensor]) -> None:
@@ -287,10 +292,17 @@ class ShardCore:
         slowest = min((self.clock.get(w, 0) for w in self.live_workers), default=0)
         self.live_workers.add(worker)
         self.clock.setdefault(worker, slowest)
+        self.departed.discard(worker)
 
     def remove_worker(self, worker: str) -> None:
+        """Stop counting ``worker`` (leave, drop): a round or push waiting only for it is released
+        (:meth:`next_release`). Counted again if it pushes again."""
+        if worker in self.live_workers:
+            self.departed.add(worker)
         self.live_workers.discard(worker)
         self.clock.pop(worker, None)
+        if self.round_complete():
+            self._rounds_done.append(self.finish_round())
 
     # ---------------------------------------------------------------- retried pushes
     def seen(self, worker: str, seq: int) -> str:
@@ -304,6 +316,74 @@ class ShardCore:
         if self.round_seq.get(worker) == seq:
             return "pending"
         return ""
+
+    # ---------------------------------------------------------------- the push
+    def push(self, push: Push, stopping: bool = False) -> ReplyNow | AwaitRound | AwaitStaleness | Refuse:
+        """Decide ``push`` (module docstring; raises RequestError for a malformed one). ``stopping``: the
+        shard is on its way out: a sync round or the SSP bound would wait for workers stopping too."""
+        worker, seq = push.sender, push.seq
+        self.check(push.keys, push.grads, "push")
+        self.check_rows(push.row_keys, push.rows, push.row_grads, "push", push.keys)
+        self.check_rows(push.want_keys, push.want_rows, None, "push (want_rows)")
+        if self.reject_nonfinite:
+            self.check_finite(push.keys, push.grads, "push")
+            self.check_finite(push.row_keys, push.row_grads, "push (row_grads)")
+        seen = self.seen(worker, seq)
+        if seen == "applied":  # its reply was lost: answered, not applied twice
+            return ReplyNow(duplicate=True)
+        if seen == "pending" and not stopping:
+            return AwaitRound(self.version, duplicate=True)
+        for ticket, waiting in self.waiting.items():
+            if seq and (waiting.sender, waiting.seq) == (worker, seq):
+                return AwaitStaleness(ticket, duplicate=True)
+        if worker in self.departed:  # left or dropped, and pushing again: it came back
+            self.add_worker(worker)
+        if self.consistency == Consistency.SYNC:
+            if worker not in self.live_workers:
+                return Refuse("bad_request", f"{worker} is not in this sync group ({sorted(self.live_workers)})")
+            if stopping:
+                return Refuse("shutting_down", f"shard {self.node} is stopping; sync round {self.version} will not "
+                                               "complete")
+            if worker in self.round_members:
+                return Refuse("bad_request", f"{worker} pushed twice in sync round {self.version}")
+            round_id = self.version
+            if push.want_keys:  # copies of the ids (small): the frames are released before the round completes
+                self.round_wants[worker] = (push.want_keys, tuple(r.clone() for r in push.want_rows))
+            self.contribute(worker, push.keys, push.grads, push.samples, seq, push.row_keys, push.rows, push.row_grads)
+            if self.round_complete():
+                self._rounds_done.append(self.finish_round())
+            return AwaitRound(round_id)
+        if not self.ssp_ready(worker):
+            if stopping:
+                return Refuse("shutting_down", f"shard {self.node} is stopping; {worker}'s push waited for the SSP "
+                                               "bound and was not applied")
+            self._tickets += 1
+            self.waiting[self._tickets] = push
+            return AwaitStaleness(self._tickets)
+        return ReplyNow(self._apply_push(push))
+
+    def next_release(self) -> RoundDone | Released | None:
+        """The next waiter to answer now, or None: a finished sync round, or a push that waited for the SSP
+        bound and is within it now, applied by this call (one at a time: its reply is copied before the
+        next one changes the chunks). Call after every :meth:`push` and :meth:`remove_worker`."""
+        if self._rounds_done:
+            return self._rounds_done.pop(0)
+        for ticket, push in self.waiting.items():
+            if self.ssp_ready(push.sender):
+                del self.waiting[ticket]
+                return Released(ticket, push, self._apply_push(push))
+        return None
+
+    def withdraw(self, ticket: int) -> None:
+        """SSP: push ``ticket`` is no longer waiting (its request timed out, or the shard stops)."""
+        self.waiting.pop(ticket, None)
+
+    def _apply_push(self, push: Push) -> Replicate:
+        self.apply(push.sender, push.keys, push.grads, push.samples, push.seq, push.row_keys, push.rows,
+                   push.row_grads)
+        return Replicate(group=self.shard_id, fseq=0, op="push", keys=push.keys, grads=push.grads, worker=push.sender,
+                         seq=push.seq, samples=push.samples, row_keys=push.row_keys, rows=push.rows,
+                         row_grads=push.row_grads)
 
     # ---------------------------------------------------------------- async / ssp
     def ssp_ready(self, worker: str) -> bool:
@@ -338,8 +418,6 @@ class ShardCore:
                    row_grads: Sequence[torch.Tensor] = ()) -> None:
         """Sync: fold one worker's gradients into this round's aggregation buffers (``seq``: as for
         :meth:`apply`, remembered as applied when the round is; the row-sparse part as for :meth:`apply`)."""
-        if worker in self.round_members:
-            raise RequestError(f"{worker} pushed twice in sync round {self.version}", "bad_request")
         self.round_members.add(worker)
         self.zero_row_buffers()
         if seq > 0:
@@ -372,8 +450,10 @@ class ShardCore:
     def round_complete(self) -> bool:
         return bool(self.round_members) and self.live_workers <= self.round_members
 
-    def finish_round(self) -> int:
-        """Sync: average and apply the round's gradients; returns the new version."""
+    def finish_round(self) -> RoundDone:
+        """Sync: average and apply the round's gradients (a member that did not touch a row of a row-sparse
+        chunk contributed zero to it)."""
+        round_id = self.version
         applied: list[int] = []
         members = max(1, len(self.round_members))
         row_keys: list[int] = []
@@ -403,12 +483,14 @@ class ShardCore:
                 row_ids.append(rows)
                 row_grads.append(g)
         self._step_rows_and_tick(applied, row_keys, row_ids, row_grads)
-        self.last_round_rows = (tuple(row_keys), tuple(row_ids), tuple(row_grads))
         self.round_members.clear()
         for w, seq in self.round_seq.items():
             self.last_seq[w] = max(seq, self.last_seq.get(w, 0))
-        self.last_round = (tuple(applied), tuple(self.chunks[k].agg for k in applied), dict(self.round_seq),
-                           self.round_samples)
+        keys, grads = tuple(applied), tuple(self.chunks[k].agg for k in applied)
+        self.last_round = (keys, grads, dict(self.round_seq), self.round_samples)
+        forward = Replicate(group=self.shard_id, fseq=0, op="round", keys=keys, grads=grads, samples=self.round_samples,
+                            round_seqs=dict(self.round_seq), row_keys=tuple(row_keys), rows=tuple(row_ids),
+                            row_grads=tuple(row_grads))
         # A row-sparse chunk pushed whole: its buffer goes back to zero (rows may come first next round), once
         # the backup has it (ps_shard waits for the round's forward before the next round writes buffers).
         self._zero_after_forward = tuple(k for k in applied if self.chunks[k].dim)
@@ -416,14 +498,16 @@ class ShardCore:
         self.round_samples = 0
         self.version += 1
         self.updates_applied += 1
-        return self.version
+        wants, self.round_wants = self.round_wants, {}
+        # Row-sparse chunks only where pushed whole: their members want rows (gathered now: their copy).
+        return RoundDone(round_id, self.version, tuple(k for k, c in self.chunks.items() if not c.dim or k in keys),
+                         {w: (wk, self.row_values(wk, wr)) for w, (wk, wr) in wants.items()}, forward)
 
     def apply_round(self, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
                     seqs: dict[str, int], row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
                     row_grads: Sequence[torch.Tensor] = ()) -> int:
-        """A backup (sync): apply a round its primary completed (:attr:`last_round`: the averaged
-        gradients, the push numbers it applied per worker, its examples; :attr:`last_round_rows`: its
-        row-sparse part); returns the new version."""
+        """A backup (sync): apply a round its primary completed (:attr:`RoundDone.forward`: the averaged
+        gradients and rows, the push numbers it applied per worker, its examples); returns the new version."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
@@ -436,12 +520,43 @@ class ShardCore:
         return self.version
 
     # ---------------------------------------------------------------- replicas
+    def replicate(self, msg: Replicate) -> str:
+        """A backup: apply its primary's forward ``msg`` in the primary's order (``fseq``: a repeat is
+        acknowledged, not applied again; a gap is refused); returns the ack's detail."""
+        group, last = msg.group, self.applied_forward
+        if msg.op == "state":
+            try:
+                self.load_replica_bytes(msg.grads[0] if msg.grads else torch.empty(0, dtype=torch.uint8))
+            except Exception as exc:  # another layout or a damaged copy: nothing changed
+                raise RequestError(f"replicate of {group!r}: unusable copy ({exc.__class__.__name__}: {exc})",
+                                   "bad_request") from None
+            self.applied_forward = msg.fseq
+            return f"copy of {group} at version {self.version}"
+        if 0 <= msg.fseq <= last:  # a repeat (the primary retried): applied once
+            return f"forward {msg.fseq} of {group} was applied already"
+        if last < 0 or msg.fseq != last + 1:
+            raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
+                               f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
+        self.check(msg.keys, msg.grads, "replicate")
+        self.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
+        if msg.op == "push":
+            self.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+        elif msg.op == "round":
+            self.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
+        elif msg.op == "init":
+            self.set_values(msg.keys, msg.grads)
+        else:
+            raise RequestError(f"replicate: op must be push, round, init or state, got {msg.op!r}", "bad_request")
+        self.applied_forward = msg.fseq
+        return ""
+
     def replica_bytes(self) -> torch.Tensor:
         """A whole copy of this core for a new backup, serialized (uint8): its :meth:`state_dict` plus the
         workers counted in sync rounds and SSP bounds and their clocks. Serialized rather than sent as
         tensors: it happens once per new backup, and one tensor keeps the message's schema flat."""
         state = self.state_dict()
         state["live_workers"] = sorted(self.live_workers)
+        state["departed"] = sorted(self.departed)
         state["clock"] = dict(self.clock)
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -452,8 +567,10 @@ class ShardCore:
         state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
         self.load_state_dict(state)
         self.live_workers = set(state.get("live_workers", self.live_workers))
+        self.departed = set(state.get("departed", self.departed))
         self.clock = {str(w): int(c) for w, c in state.get("clock", {}).items()}
         self.round_members.clear()
+        self.round_wants.clear()
         self.round_samples = 0
         for c in self.chunks.values():
             c.contributors = 0
@@ -495,109 +612,28 @@ class ShardCore:
 
     def snapshot(self) -> dict[str, Any]:
         """A :meth:`state_dict` that owns its tensors (copies): later updates do not change it,
-        so it can be written by another thread while the shard goes on (:meth:`write`)."""
+        so it can be written by another thread while the shard goes on (:func:`hmp.ps.checkpoint.write`)."""
         state = self.state_dict()  # optimizer states are copies already
         state["params"] = {k: p.clone() for k, p in state["params"].items()}
         return state
 
-    @staticmethod
-    def write(state: dict[str, Any], path: Path, keep_previous: bool = True) -> None:
-        """Write a state dict with its checksum header, atomically (temp file, fsync, rename); the
-        checkpoint it replaces becomes :func:`previous_checkpoint` (unless ``keep_previous`` is false:
-        then the previous one is left as it is). Touches no shard state, so it may run in a thread (on
-        a :meth:`snapshot`). A failed write (``OSError``: disk full, unwritable folder) leaves no temp
-        file, and the checkpoints that were there as they were."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                # Streamed through the digest, not serialized in memory first (that would cost a second
-                # copy of the shard); the header, known only at the end, goes into the room left for it.
-                f.write(bytes(CHECKPOINT_HEADER.size))
-                payload = _DigestWriter(f)
-                try:
-                    torch.save(state, payload)
-                except Exception:
-                    if payload.error is not None:  # the disk's error, not torch's wrapper of it
-                        raise payload.error from None
-                    raise
-                f.seek(0)
-                f.write(CHECKPOINT_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_FORMAT, payload.nbytes,
-                                               payload.sha256.digest()))
-                f.flush()
-                os.fsync(f.fileno())
-            if keep_previous and path.exists():
-                # Between these two renames only the previous checkpoint exists: resume() falls back to it.
-                os.replace(path, previous_checkpoint(path))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        # The renames themselves are durable only once the folder is.
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def read(path: Path) -> dict[str, Any]:
-        """A checkpoint's state dict, verified against its header first; :class:`CheckpointError`
-        (naming the file and what is wrong) for a missing, empty, truncated, corrupted or foreign file."""
-        try:
-            with open(path, "rb") as f:
-                head = f.read(CHECKPOINT_HEADER.size)
-                if not head:
-                    raise CheckpointError(path, "empty file")
-                if not head.startswith(CHECKPOINT_MAGIC):
-                    raise CheckpointError(path, "not an hmp shard checkpoint (no HMPSHARD header; a bare "
-                                                "torch.save file or another file)")
-                if len(head) < CHECKPOINT_HEADER.size:
-                    raise CheckpointError(path, f"truncated: {len(head)} bytes, shorter than the "
-                                                f"{CHECKPOINT_HEADER.size}-byte header")
-                _, fmt, length, digest = CHECKPOINT_HEADER.unpack(head)
-                if fmt != CHECKPOINT_FORMAT:
-                    raise CheckpointError(path, f"checkpoint format {fmt}; this hmp reads format {CHECKPOINT_FORMAT}")
-                payload = f.read(length + 1)  # one more byte than announced: trailing bytes are an error too
-        except FileNotFoundError:
-            raise CheckpointError(path, "no such file") from None
-        except IsADirectoryError:
-            raise CheckpointError(path, "a directory, not a checkpoint file") from None
-        except OSError as exc:
-            raise CheckpointError(path, f"unreadable ({exc.strerror or exc})") from None
-        if len(payload) < length:
-            raise CheckpointError(path, f"truncated: the header announces {length} payload bytes, the file holds "
-                                        f"{len(payload)}")
-        if len(payload) > length:
-            raise CheckpointError(path, f"more bytes than the header's {length}: not one whole checkpoint")
-        if hashlib.sha256(payload).digest() != digest:
-            raise CheckpointError(path, "corrupted: the payload's SHA-256 differs from the header's")
-        try:
-            state = torch.load(io.BytesIO(payload), weights_only=True)
-        except Exception as exc:  # a checksummed payload torch cannot read: written by something else
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise CheckpointError(path, f"unreadable payload ({exc.__class__.__name__}: {first[:200]})") from None
-        if not isinstance(state, dict) or not {"params", "optim", "version"} <= set(state):
-            raise CheckpointError(path, "not a shard state (params, optim, version missing)")
-        return state
-
     def save(self, path: Path, keep_previous: bool = True) -> None:
-        """Write a checkpoint (:meth:`write`) on the calling thread."""
-        self.write(self.state_dict(), path, keep_previous)
+        """Write a checkpoint (:func:`hmp.ps.checkpoint.write`) on the calling thread."""
+        checkpoint.write(self.state_dict(), path, keep_previous)
 
     def load(self, path: Path) -> None:
-        """Load one checkpoint file, verified (:meth:`read`); :class:`CheckpointError` if it is unusable,
-        ``ValueError`` if it belongs to another layout or optimizer."""
-        self.load_state_dict(self.read(path))
+        """Load one checkpoint file, verified (:func:`hmp.ps.checkpoint.read`); :class:`CheckpointError` if
+        it is unusable, ``ValueError`` if it belongs to another layout or optimizer."""
+        self.load_state_dict(checkpoint.read(path))
 
     def resume(self, path: Path) -> tuple[Path, list[CheckpointError]]:
-        """Load ``path``, or if it is unusable the checkpoint before it (:func:`previous_checkpoint`).
+        """Load ``path``, or if it is unusable the checkpoint before it (``NAME.prev.pt``).
         Returns the file loaded and the errors of the files passed over (one at most); raises
         :class:`CheckpointError` naming both files when neither is usable."""
         errors: list[CheckpointError] = []
-        for candidate in (path, previous_checkpoint(path)):
+        for candidate in (path, checkpoint.previous_checkpoint(path)):
             try:
-                state = self.read(candidate)
+                state = checkpoint.read(candidate)
             except CheckpointError as exc:
                 errors.append(exc)
                 continue

@@ -3,7 +3,7 @@ the last one is damaged, a failed write that changes nothing, checkpoints by tim
 every way out; the scheduler's drop on a shard; and the config errors found at load (unwritable folders,
 a shard's share over the message limit), through the daemons and hmp-launch.
 
-The file format is the core's (ShardCore directly); the rest runs real shard daemons: in this process
+The file format (hmp.ps.checkpoint, through ShardCore's save and resume) is tested directly; the rest runs real shard daemons: in this process
 (``PSShardNode.run()``, a real server on loopback, shared memory off so nothing is left in /dev/shm) or
 as processes (``python -m hmp.nodes.main``, ``python -m hmp.launch``).
 """
@@ -28,7 +28,9 @@ from hmp.errors import RemoteError
 from hmp.job import load
 from hmp.messages import Ack, Drop, Pull, Push
 from hmp.nodes.ps_shard import PSShardNode
-from hmp.ps.shard_core import CheckpointError, ShardCore, previous_checkpoint
+from hmp.ps import checkpoint
+from hmp.ps.checkpoint import CheckpointError, previous_checkpoint
+from hmp.ps.shard_core import ShardCore
 from hmp.transport.endpoint import Client
 
 from tests.support import client_of, daemon_env, running, shard_grads, shard_job_config
@@ -83,11 +85,11 @@ def test_a_damaged_checkpoint_is_a_one_line_error_and_the_previous_one_restores_
     _push(core, 3)
     core.save(path)  # the first checkpoint is now ps0.prev.pt
     assert previous_checkpoint(path) == tmp_path / "ps0.prev.pt"
-    assert ShardCore.read(previous_checkpoint(path))["version"] == 2 and ShardCore.read(path)["version"] == 5
+    assert checkpoint.read(previous_checkpoint(path))["version"] == 2 and checkpoint.read(path)["version"] == 5
     _damage(path, how, core.chunks[0].param)
 
     with pytest.raises(CheckpointError) as info:
-        ShardCore.read(path)
+        checkpoint.read(path)
     message = str(info.value)
     assert message.startswith(f"{path}: ") and says in message and "\n" not in message
 
@@ -113,11 +115,11 @@ def test_flipped_tensor_bytes_would_load_silently_without_the_checksum(tmp_path)
     _flip_16_bytes_of(path, core.chunks[0].param)
     import io
 
-    from hmp.ps.shard_core import CHECKPOINT_HEADER
+    from hmp.ps.checkpoint import CHECKPOINT_HEADER
     state = torch.load(io.BytesIO(path.read_bytes()[CHECKPOINT_HEADER.size:]), weights_only=True)
     assert not torch.equal(state["params"][0], core.chunks[0].param)
     with pytest.raises(CheckpointError, match="corrupted"):
-        ShardCore.read(path)
+        checkpoint.read(path)
 
 
 def test_without_a_usable_checkpoint_resume_names_both_files(tmp_path):
@@ -137,7 +139,7 @@ def test_a_checkpoint_records_what_a_report_needs(tmp_path):
     _push(core, 4)
     before = time.time()
     core.save(tmp_path / "ps0.pt")
-    state = ShardCore.read(tmp_path / "ps0.pt")
+    state = checkpoint.read(tmp_path / "ps0.pt")
     assert (state["version"], state["updates_applied"], state["samples"]) == (4, 4, 64)
     assert before <= state["written_at"] <= time.time()
 
@@ -154,7 +156,7 @@ async def _until(predicate, timeout_s: float = 5.0, what: str = "") -> None:
 
 def _version_on_disk(path: Path) -> int | None:
     try:
-        return ShardCore.read(path)["version"]
+        return checkpoint.read(path)["version"]
     except CheckpointError:
         return None
 

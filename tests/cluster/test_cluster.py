@@ -180,9 +180,9 @@ async def test_checkpoint_then_resume_gives_the_same_parameters(tmp_path):
     cfg = load(cfg_path)
     async with LocalCluster(cfg) as cluster:
         report = await cluster.train(timeout_s=200)
-    from hmp.ps.shard_core import ShardCore
+    from hmp.ps import checkpoint
 
-    saved = {s: ShardCore.read(tmp_path / "ckpt" / f"{s}.pt") for s in ("ps0", "ps1")}  # verified, then loaded
+    saved = {s: checkpoint.read(tmp_path / "ckpt" / f"{s}.pt") for s in ("ps0", "ps1")}  # verified, then loaded
     assert all(state["version"] > 0 for state in saved.values())
 
     procs = []

@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from hmp.ps.shard_core import ShardCore
+from hmp.ps import checkpoint
 
 from tests.support import Daemons, HB_JOB, until, write_config
 
@@ -42,7 +42,7 @@ def _job(tmp: Path, join_timeout_s: float = 60) -> Path:
 
 def _checkpoint_version(path: Path) -> int:
     try:
-        return int(ShardCore.read(path)["version"])
+        return int(checkpoint.read(path)["version"])
     except Exception:  # not written yet, or being replaced
         return -1
 

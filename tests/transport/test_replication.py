@@ -46,7 +46,7 @@ async def test_a_push_is_answered_once_the_backup_applied_it_and_a_promoted_back
             await cpu.request(Push(keys=keys, grads=grads, samples=4, seq=seq))
             # Answered: the backup applied it before the reply was sent.
             assert_cores_identical(ps0.core, ps1.backups["ps0"])
-        assert ps0.stats["forwards_applied"] == 5 and ps1._applied_forward["ps0"] == 5
+        assert ps0.stats["forwards_applied"] == 5 and ps1.backups["ps0"].applied_forward == 5
         # ps0 is lost; the scheduler promotes ps1 for group ps0, which now has no backup.
         await sched1.request(_map(ps1, {"ps0": ("ps1", ""), "ps1": ("ps1", "")}, 2))
         assert "ps0" in ps1.cores and ps1.stats["promotions"] == 1

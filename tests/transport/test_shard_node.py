@@ -3,7 +3,7 @@ through Clients. Replies carry copies of the chunks, so they never show a later 
 and sync rounds time out; checkpoints are written off the loop from a snapshot; non-finite pushes
 are refused.
 
-The rules themselves are the core's (tests/test_shard_core.py).
+The rules themselves are the core's (tests/test_shard_core.py, tests/unit/test_shard_push.py).
 """
 
 from __future__ import annotations
@@ -156,5 +156,5 @@ def test_sweep_jobs_do_not_refuse_a_diverged_members_nan(tmp_path):
     """In a sweep each member owns its slice; one member's NaN must not stop the others."""
     path = write_config(tmp_path)
     path.write_text(path.read_text() + '\n[sweep]\nmembers = [{lr = 0.05}, {lr = 1e6}]\n')
-    assert not PSShardNode(load(path), "ps0").reject_nonfinite
-    assert PSShardNode(load(write_config(tmp_path)), "ps0").reject_nonfinite
+    assert not PSShardNode(load(path), "ps0").core.reject_nonfinite
+    assert PSShardNode(load(write_config(tmp_path)), "ps0").core.reject_nonfinite

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hmp.ps import checkpoint
 from hmp.ps.shard_core import ShardCore
 from hmp.scheduler.core import Admitted, JobFailed, ShardsChanged
 from tests.support import SCHEDULER_HB, running_scheduler
@@ -55,7 +56,7 @@ def test_a_checkpoint_without_push_numbers_still_loads(tmp_path):
     core = _shard()
     state = core.state_dict()
     del state["last_seq"]  # written before pushes were numbered
-    ShardCore.write(state, tmp_path / "old.pt")
+    checkpoint.write(state, tmp_path / "old.pt")
     fresh = _shard()
     fresh.load(tmp_path / "old.pt")
     assert fresh.last_seq == {}

@@ -13,7 +13,7 @@ from hmp import job
 from hmp.cluster import LocalCluster
 from hmp.export import MODEL_FILE, MODEL_INFO, PARAMETERS, ExportError, load_model, model_info, write_model
 from hmp.models import digits_mlp
-from hmp.ps.schedule import lr_at
+from hmp.ps.lr_schedule import lr_at
 from hmp.train.evaluate import evaluate
 from hmp.train.stop_rule import TargetConfirmation, target_reason
 

@@ -68,7 +68,7 @@ from hmp.messages import Ack, Kind, Message, Report, RingAssign
 from hmp.nodes.worker import WorkerNode
 from hmp.export import write_model
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
-from hmp.ps.schedule import lr_at
+from hmp.ps.lr_schedule import lr_at
 from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate
 from hmp.train.stop_rule import target_reason

@@ -58,7 +58,7 @@ from hmp.errors import HmpError, RemoteError
 from hmp.messages import Assign, Kind, Report, Work
 from hmp.nodes.base import Node
 from hmp.nodes.shard_follower import ShardFollower
-from hmp.ps.schedule import lr_at
+from hmp.ps.lr_schedule import lr_at
 
 
 async def _with_next(batches: AsyncIterator[torch.Tensor], ahead: bool) -> AsyncIterator[tuple[torch.Tensor, Any]]:

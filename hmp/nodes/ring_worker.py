@@ -197,10 +197,9 @@ class RingWorkerNode(WorkerNode):
         if welcome is None:
             return
         self.start_heartbeat()
-        r = welcome.info["ring"]
-        self.assigned = RingAssign(ring=int(r["generation"]), members=tuple(r["members"]),
-                                   addresses=tuple(r["addresses"]), rank=int(r["rank"]))
-        self.batch_size = int(welcome.info.get("batch_size") or self.batch_size)
+        r = welcome.info.ring
+        self.assigned = RingAssign(ring=r.generation, members=r.members, addresses=r.addresses, rank=r.rank)
+        self.batch_size = int(welcome.info.batch_size or self.batch_size)
         self.spawn(self.abort_ring_when_stopped(), name="stop-watch")
         try:
             if self.assigned.rank == 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -223,6 +223,20 @@ class WelcomeInfo(Payload):
     shards_down: tuple[str, ...] | None = None
     shard_epoch: int | None = None
     ring: RingInfo | None = None
+
+
+class RowGrads(NamedTuple):
+    """Row-sparse gradients as they travel together (docs/protocol.md, "Row-sparse tables"): ``grads[i]``
+    (``[k, dim]``) is the gradient of rows ``rows[i]`` (int64, chunk-relative, strictly increasing) of chunk
+    ``keys[i]``. On the wire they are a message's ``row_keys``, ``rows`` and ``row_grads`` (:meth:`fields`)."""
+
+    keys: tuple[int, ...] = ()
+    rows: tuple[Tensor, ...] = ()
+    grads: tuple[Tensor, ...] = ()
+
+    def fields(self) -> dict[str, tuple]:
+        """As the keyword arguments of a :class:`Push` or :class:`Replicate`."""
+        return {"row_keys": self.keys, "rows": self.rows, "row_grads": self.grads}
 
 
 # ----------------------------------------------------------------------------- control kinds
@@ -479,6 +493,10 @@ class Push(Message):
     want_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
     want_rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
 
+    @property
+    def sparse_grads(self) -> RowGrads:
+        return RowGrads(self.row_keys, self.rows, self.row_grads)
+
 
 @message(Kind.PULL)
 class Pull(Message):
@@ -580,6 +598,10 @@ class Replicate(Message):
     row_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
     rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
     row_grads: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+
+    @property
+    def sparse_grads(self) -> RowGrads:
+        return RowGrads(self.row_keys, self.rows, self.row_grads)
 
 
 # ----------------------------------------------------------------------------- schema

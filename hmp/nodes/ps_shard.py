@@ -216,7 +216,7 @@ class PSShardNode(Node):
         try:
             core = self._primary_core(msg.keys or msg.row_keys or msg.want_keys, "push")
             core.check(msg.keys, msg.grads, "push")
-            core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "push", msg.keys)
+            core.check_rows(*msg.sparse_grads, "push", msg.keys)
             core.check_rows(msg.want_keys, msg.want_rows, None, "push (want_rows)")
             if self.reject_nonfinite:
                 core.check_finite(msg.keys, msg.grads, "push")
@@ -274,7 +274,7 @@ class PSShardNode(Node):
             if msg.want_keys:  # copies of the ids (small): read when the round completes, after this handler's turn
                 self._round_wants.setdefault(group, {})[worker] = (msg.want_keys,
                                                                    tuple(r.clone() for r in msg.want_rows))
-            core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+            core.contribute(worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.sparse_grads)
             self._maybe_finish_round(core)
             try:
                 version, values = await asyncio.wait_for(asyncio.shield(round_done), timeout)
@@ -314,7 +314,7 @@ class PSShardNode(Node):
             reply = self._params(msg.keys, core, msg.want_keys, msg.want_rows)  # this update's values, now
             forward = self._forward(group, Replicate(group=group, fseq=0, op="push", keys=msg.keys, grads=msg.grads,
                                                      worker=worker, seq=msg.seq, samples=msg.samples,
-                                                     row_keys=msg.row_keys, rows=msg.rows, row_grads=msg.row_grads))
+                                                     **msg.sparse_grads.fields()))
             async with self._changed:
                 self._changed.notify_all()
             self._maybe_checkpoint()
@@ -323,7 +323,7 @@ class PSShardNode(Node):
             return reply
 
     def _apply(self, core: ShardCore, msg: Push) -> None:
-        core.apply(msg.sender, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+        core.apply(msg.sender, msg.keys, msg.grads, msg.samples, msg.seq, msg.sparse_grads)
 
     def _round_reply(self, msg: Push, version: int, values: dict[int, Any], core: ShardCore) -> Params:
         """A sync member's reply: its chunks as copied when the round finished, and the rows it wanted as
@@ -352,7 +352,6 @@ class PSShardNode(Node):
                 # The replies' values, copied now (see _params): a member that has its reply may
                 # push into the next round before another member's reply is sent.
                 keys, grads, seqs, samples = core.last_round or ((), (), {}, 0)
-                row_keys, rows, row_grads = core.last_round_rows
                 # Row-sparse chunks only where pushed whole: their members want rows (gathered below).
                 every = self._params(tuple(k for k, c in core.chunks.items() if not c.dim or k in keys), core)
                 values: dict[Any, Any] = dict(zip(every.keys, every.values))
@@ -360,8 +359,8 @@ class PSShardNode(Node):
                 values[_ROWS] = {w: (wk, core.row_values(wk, wr)) for w, (wk, wr) in wants.items()}
                 result = (every.version, values)
                 forward = self._forward(group, Replicate(group=group, fseq=0, op="round", keys=keys, grads=grads,
-                                                         samples=samples, round_seqs=seqs, row_keys=row_keys,
-                                                         rows=rows, row_grads=row_grads))
+                                                         samples=samples, round_seqs=seqs,
+                                                         **core.last_round_rows.fields()))
                 if forward is None:
                     round_done.set_result(result)
                 else:  # the members are answered once the backup applied the round too
@@ -643,11 +642,11 @@ class PSShardNode(Node):
             raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
                                f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
         core.check(msg.keys, msg.grads, "replicate")
-        core.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
+        core.check_rows(*msg.sparse_grads, "replicate", msg.keys)
         if msg.op == "push":
-            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+            core.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.sparse_grads)
         elif msg.op == "round":
-            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
+            core.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.sparse_grads)
         elif msg.op == "init":
             core.set_values(msg.keys, msg.grads)
         else:

@@ -59,6 +59,7 @@ import torch
 
 from hmp.config import Consistency
 from hmp.errors import HmpError, RequestError
+from hmp.messages import RowGrads
 from hmp.ps.optim import accumulate, make_chunk_optimizer, scale_
 
 
@@ -164,7 +165,7 @@ class ShardCore:
         self.last_round: tuple[tuple[int, ...], tuple[torch.Tensor, ...], dict[str, int], int] | None = None
         #: sync: the row-sparse part of the last round, ``(row keys, rows, averaged row gradients)`` (new tensors)
         self._zero_after_forward: tuple[int, ...] = ()  # sync: row-sparse chunks the last round applied whole
-        self.last_round_rows: tuple[tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), (), ())
+        self.last_round_rows = RowGrads()
         for w in workers:  # the job's workers, each counted in sync rounds and SSP bounds from the start
             self.add_worker(w)
 
@@ -258,15 +259,14 @@ class ShardCore:
             out.append(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)))
         return tuple(out)
 
-    def _step_rows_and_tick(self, dense: Sequence[int], row_keys: Sequence[int], rows: Sequence[torch.Tensor],
-                            row_grads: Sequence[torch.Tensor]) -> None:
-        """The row-sparse part of one update: rows of ``row_keys`` stepped, every other row-sparse chunk
+    def _step_rows_and_tick(self, dense: Sequence[int], sparse: RowGrads) -> None:
+        """The row-sparse part of one update: the rows of ``sparse`` stepped, every other row-sparse chunk
         not stepped whole (``dense``) ticked."""
-        for k, r, g in zip(row_keys, rows, row_grads):
+        for k, r, g in zip(*sparse):
             c = self.chunks[k]
             c.optimizer.step_rows(c.param, r, g, c.dim)
         if self.row_chunks:
-            stepped = set(dense) | set(row_keys)
+            stepped = set(dense) | set(sparse.keys)
             for k in self.row_chunks:
                 if k not in stepped:
                     self.chunks[k].optimizer.tick()
@@ -314,15 +314,14 @@ class ShardCore:
         return self.clock.get(worker, 0) - slowest <= self.staleness
 
     def apply(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-              seq: int = 0, row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
-              row_grads: Sequence[torch.Tensor] = ()) -> int:
+              seq: int = 0, sparse: RowGrads = RowGrads()) -> int:
         """Apply one worker's gradients at once (async, ssp); returns the new version. ``seq``: the
         push's number (0: none), remembered so that a retry of it is not applied again (:meth:`seen`).
-        ``row_keys``, ``rows``, ``row_grads``: its row-sparse part (checked: :meth:`check_rows`)."""
+        ``sparse``: its row-sparse part (checked: :meth:`check_rows`)."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
-        self._step_rows_and_tick(keys, row_keys, rows, row_grads)
+        self._step_rows_and_tick(keys, sparse)
         self.version += 1
         self.updates_applied += 1
         self.samples += samples
@@ -334,8 +333,7 @@ class ShardCore:
 
     # ---------------------------------------------------------------- sync
     def contribute(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-                   seq: int = 0, row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
-                   row_grads: Sequence[torch.Tensor] = ()) -> None:
+                   seq: int = 0, sparse: RowGrads = RowGrads()) -> None:
         """Sync: fold one worker's gradients into this round's aggregation buffers (``seq``: as for
         :meth:`apply`, remembered as applied when the round is; the row-sparse part as for :meth:`apply`)."""
         if worker in self.round_members:
@@ -352,7 +350,7 @@ class ShardCore:
             # A row-sparse chunk's buffer is kept at zero between rounds (rows may come first): always added.
             accumulate(c.agg, g, first=c.contributors == 0 and not c.dim)
             c.contributors += 1
-        for k, r, g in zip(row_keys, rows, row_grads):
+        for k, r, g in zip(*sparse):
             c = self.chunks[k]
             if c.agg is None:
                 c.agg = torch.zeros_like(c.param)
@@ -402,8 +400,8 @@ class ShardCore:
                 row_keys.append(c.key)
                 row_ids.append(rows)
                 row_grads.append(g)
-        self._step_rows_and_tick(applied, row_keys, row_ids, row_grads)
-        self.last_round_rows = (tuple(row_keys), tuple(row_ids), tuple(row_grads))
+        self.last_round_rows = RowGrads(tuple(row_keys), tuple(row_ids), tuple(row_grads))
+        self._step_rows_and_tick(applied, self.last_round_rows)
         self.round_members.clear()
         for w, seq in self.round_seq.items():
             self.last_seq[w] = max(seq, self.last_seq.get(w, 0))
@@ -419,15 +417,14 @@ class ShardCore:
         return self.version
 
     def apply_round(self, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-                    seqs: dict[str, int], row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
-                    row_grads: Sequence[torch.Tensor] = ()) -> int:
+                    seqs: dict[str, int], sparse: RowGrads = RowGrads()) -> int:
         """A backup (sync): apply a round its primary completed (:attr:`last_round`: the averaged
         gradients, the push numbers it applied per worker, its examples; :attr:`last_round_rows`: its
         row-sparse part); returns the new version."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
-        self._step_rows_and_tick(keys, row_keys, rows, row_grads)
+        self._step_rows_and_tick(keys, sparse)
         for w, seq in seqs.items():
             self.last_seq[w] = max(int(seq), self.last_seq.get(w, 0))
         self.samples += samples

@@ -170,6 +170,9 @@ class Payload:
         """The map that travels: the fields that are not None (nested payloads stay payloads)."""
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
+    def __repr__(self) -> str:  # the fields sent only: a welcome's log line is not a list of Nones
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.wire().items())})"
+
 
 def payload_wire(obj: Any) -> dict[str, Any]:
     """msgpack's ``default`` hook: a :class:`Payload` as its map; anything else is not serializable."""
@@ -180,7 +183,7 @@ def payload_wire(obj: Any) -> dict[str, Any]:
 
 def payload(cls: type) -> type:
     """Class decorator: a frozen, slotted, keyword-only payload dataclass."""
-    return dataclasses.dataclass(frozen=True, slots=True, kw_only=True)(cls)
+    return dataclasses.dataclass(frozen=True, slots=True, kw_only=True, repr=False)(cls)
 
 
 @payload

@@ -1,10 +1,6 @@
-"""The :class:`Dataset` every loader returns (a train/test split of tensors or CSR rows), and the helpers loaders
-share: the seeded stratified split, the rows a partial load keeps, argument checks.
-
-Tensor conventions: features ``x`` are float32 ``[N, F]`` (or ``[N, ...]``, e.g. images ``[N, C, H, W]``) or, for
-categorical data, int64 bucket ids ``[N, fields]``; labels ``y`` are int64 ``[N]`` in ``0..num_classes-1``; sparse
-features are :class:`~hmp.data.csr.CSRRows`.
-"""
+"""The :class:`Dataset` every loader returns: features ``x`` float32 ``[N, F]`` (or ``[N, ...]``, e.g. images), int64
+bucket ids ``[N, fields]`` or :class:`~hmp.data.csr.CSRRows`, labels ``y`` int64 ``[N]`` in ``0..num_classes-1``;
+and what the loaders share: the seeded stratified split, the rows a partial load keeps, argument checks."""
 
 from __future__ import annotations
 

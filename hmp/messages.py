@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -157,6 +157,91 @@ def message(kind: Kind):
     return wrap
 
 
+# ----------------------------------------------------------------------------- payloads
+
+class Payload:
+    """Base of the typed maps control messages carry (a frozen dataclass per shape): on the wire a msgpack map of
+    the fields that are not None, as a ``dict`` field travels; the codec checks a received one's keys and values
+    against the annotations (unknown or missing keys and wrong types are ``bad_field`` errors)."""
+
+    __slots__ = ()
+
+    def wire(self) -> dict[str, Any]:
+        """The map that travels: the fields that are not None (nested payloads stay payloads)."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def __repr__(self) -> str:  # the fields sent only: a welcome's log line is not a list of Nones
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.wire().items())})"
+
+
+def payload_wire(obj: Any) -> dict[str, Any]:
+    """msgpack's ``default`` hook: a :class:`Payload` as its map; anything else is not serializable."""
+    if isinstance(obj, Payload):
+        return obj.wire()
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
+def payload(cls: type) -> type:
+    """Class decorator: a frozen, slotted, keyword-only payload dataclass."""
+    return dataclasses.dataclass(frozen=True, slots=True, kw_only=True, repr=False)(cls)
+
+
+@payload
+class RingInfo(Payload):
+    """A worker's first ring (welcome ``info.ring``; later ones come as :class:`RingAssign`): generation
+    ``generation`` of the workers ``members`` (rank order) at ``addresses``, the worker at ``rank``."""
+
+    generation: int
+    members: tuple[str, ...]
+    addresses: tuple[str, ...]
+    rank: int
+
+
+@payload
+class ReplicaInfo(Payload):
+    """Who holds each chunk group now (welcome ``info.replicas``): ``groups`` and ``epoch`` as in :class:`Replicas`."""
+
+    groups: tuple[tuple[str, ...], ...]
+    epoch: int
+
+
+@payload
+class WelcomeInfo(Payload):
+    """What a welcome tells the node it admits (docs/protocol.md, "Membership"); None fields are not sent.
+
+    Every node: ``shards`` (``[id, address]`` in shard-index order; empty for a shard that joins before every
+    shard has). A worker: it is ``worker_index`` of ``num_workers`` (allreduce: its ring rank and the ring's
+    size) with ``batch_size`` first, its ``ring`` (allreduce), ``resume`` (its counters in the previous part of a
+    resumed job) and ``start_epoch``, and ``shards_down`` and ``shard_epoch`` when shards changed since the
+    start. A restarted shard: the ``workers`` still in the job and (replicated shards) ``replicas``."""
+
+    shards: tuple[tuple[str, str], ...] = ()
+    workers: tuple[str, ...] | None = None
+    replicas: ReplicaInfo | None = None
+    worker_index: int | None = None
+    num_workers: int | None = None
+    batch_size: int | None = None
+    resume: dict[str, float] | None = None
+    start_epoch: int | None = None
+    shards_down: tuple[str, ...] | None = None
+    shard_epoch: int | None = None
+    ring: RingInfo | None = None
+
+
+class RowGrads(NamedTuple):
+    """Row-sparse gradients as they travel together (docs/protocol.md, "Row-sparse tables"): ``grads[i]``
+    (``[k, dim]``) is the gradient of rows ``rows[i]`` (int64, chunk-relative, strictly increasing) of chunk
+    ``keys[i]``. On the wire they are a message's ``row_keys``, ``rows`` and ``row_grads`` (:meth:`fields`)."""
+
+    keys: tuple[int, ...] = ()
+    rows: tuple[Tensor, ...] = ()
+    grads: tuple[Tensor, ...] = ()
+
+    def fields(self) -> dict[str, tuple]:
+        """As the keyword arguments of a :class:`Push` or :class:`Replicate`."""
+        return {"row_keys": self.keys, "rows": self.rows, "row_grads": self.grads}
+
+
 # ----------------------------------------------------------------------------- control kinds
 
 @message(Kind.JOIN)
@@ -173,7 +258,7 @@ class Welcome(Message):
     """Scheduler -> node: accepted; ``info`` carries membership and assignments."""
 
     heartbeat_interval_s: float
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: WelcomeInfo = WelcomeInfo()
 
 
 @message(Kind.HEARTBEAT)
@@ -413,6 +498,10 @@ class Push(Message):
     want_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
     want_rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
 
+    @property
+    def sparse_grads(self) -> RowGrads:
+        return RowGrads(self.row_keys, self.rows, self.row_grads)
+
 
 @message(Kind.PULL)
 class Pull(Message):
@@ -514,6 +603,10 @@ class Replicate(Message):
     row_keys: tuple[int, ...] = dataclasses.field(default=(), metadata={"quiet": True})
     rows: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
     row_grads: tuple[Tensor, ...] = dataclasses.field(default=(), metadata={"quiet": True})
+
+    @property
+    def sparse_grads(self) -> RowGrads:
+        return RowGrads(self.row_keys, self.rows, self.row_grads)
 
 
 # ----------------------------------------------------------------------------- schema

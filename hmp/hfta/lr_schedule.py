@@ -2,13 +2,14 @@
 
 Each scheduler sets ``group["lr"]`` (a list of B learning rates) from each member's initial
 learning rate and its own schedule arguments (one value for all members, or B values), with
-the closed forms of torch's ``StepLR`` and ``CosineAnnealingLR``. As in torch, constructing a
-scheduler sets the epoch-0 rates and ``step()`` is called once per epoch after the optimizer's.
+the closed forms of torch's ``StepLR`` and ``CosineAnnealingLR`` that the PS's schedules use too
+(:mod:`hmp.ps.lr_schedule`). As in torch, constructing a scheduler sets the epoch-0 rates and
+``step()`` is called once per epoch after the optimizer's.
 """
 
 from __future__ import annotations
 
-import math
+from hmp.ps.lr_schedule import cosine_annealing, step_decay
 
 from .optim import _FusedOptimizer, _per_member
 
@@ -64,7 +65,7 @@ class FusedStepLR(FusedLRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def lr_at(self, b: int, base_lr: float, epoch: int) -> float:
-        return base_lr * self.gamma[b] ** (epoch // self.step_size[b])
+        return step_decay(base_lr, self.gamma[b], self.step_size[b], epoch)
 
 
 class FusedCosineAnnealingLR(FusedLRScheduler):
@@ -80,5 +81,4 @@ class FusedCosineAnnealingLR(FusedLRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def lr_at(self, b: int, base_lr: float, epoch: int) -> float:
-        eta_min = self.eta_min[b]
-        return eta_min + (base_lr - eta_min) * (1 + math.cos(math.pi * epoch / self.T_max[b])) / 2
+        return cosine_annealing(base_lr, self.eta_min[b], self.T_max[b], epoch)

@@ -669,12 +669,12 @@ class PSShardNode(Node):
                 # A shard that may be restarted (or whose group may be restarted elsewhere) needs a checkpoint
                 # from the start: killed before its first periodic one, it could not resume at all.
                 self._checkpointing = self.spawn(self.checkpoint(), name="checkpoint")
-            replicas = welcome.info.get("replicas")
-            if replicas and int(replicas.get("epoch", 0)) > self.replica_epoch:  # a rejoin: the map as it is now
-                self.apply_replicas({str(g): (str(p), str(b)) for g, p, b in replicas["groups"]},
-                                    int(replicas["epoch"]), {str(i): str(a) for i, a in welcome.info["shards"]})
-            if "workers" in welcome.info:  # a rejoin: the workers gone meanwhile hold no round or bound back
-                for worker in sorted(self.core.live_workers - set(welcome.info["workers"])):
+            replicas = welcome.info.replicas
+            if replicas and replicas.epoch > self.replica_epoch:  # a rejoin: the map as it is now
+                self.apply_replicas({g: (p, b) for g, p, b in replicas.groups}, replicas.epoch,
+                                    dict(welcome.info.shards))
+            if welcome.info.workers is not None:  # a rejoin: the workers gone meanwhile hold no round or bound back
+                for worker in sorted(self.core.live_workers - set(welcome.info.workers)):
                     self._remove_worker(worker)
             await self.stopping.wait()
         finally:

@@ -68,7 +68,7 @@ from hmp.messages import Ack, Kind, Message, RingAssign
 from hmp.nodes.worker_base import WorkerBase
 from hmp.export import write_model
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
-from hmp.ps.schedule import lr_at
+from hmp.ps.lr_schedule import lr_at
 from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate
 from hmp.train.stop_rule import target_reason
@@ -197,10 +197,9 @@ class RingWorkerNode(WorkerBase):
         if welcome is None:
             return
         self.start_heartbeat()
-        r = welcome.info["ring"]
-        self.assigned = RingAssign(ring=int(r["generation"]), members=tuple(r["members"]),
-                                   addresses=tuple(r["addresses"]), rank=int(r["rank"]))
-        self.batch_size = int(welcome.info.get("batch_size") or self.batch_size)
+        r = welcome.info.ring
+        self.assigned = RingAssign(ring=r.generation, members=r.members, addresses=r.addresses, rank=r.rank)
+        self.batch_size = int(welcome.info.batch_size or self.batch_size)
         self.spawn(self.abort_ring_when_stopped(), name="stop-watch")
         try:
             if self.assigned.rank == 0:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from hmp.errors import RemoteError, RequestError, TransportError
-from hmp.messages import Ack, Message, Shards
+from hmp.messages import Ack, Message, Shards, WelcomeInfo
 
 
 class ShardFollower:
@@ -47,10 +47,10 @@ class ShardFollower:
         versions = dict(getattr(getattr(self, "ps", None), "shard_versions", {}) or {})
         return Ack(detail=json.dumps({"versions": versions}))
 
-    def learn_welcome_shards(self, info: Mapping[str, Any]) -> None:
+    def learn_welcome_shards(self, info: WelcomeInfo) -> None:
         """The welcome's view of the shards, unless a ``shards`` message since said more."""
-        if int(info.get("shard_epoch", 0)) > self.shard_epoch:
-            self._learn_shards(int(info["shard_epoch"]), info["shards"], info.get("shards_down", ()))
+        if (info.shard_epoch or 0) > self.shard_epoch:
+            self._learn_shards(info.shard_epoch, info.shards, info.shards_down or ())
 
     def _learn_shards(self, epoch: int, shards: Any, down: Any) -> None:
         self.shard_epoch = epoch

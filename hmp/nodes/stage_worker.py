@@ -223,7 +223,7 @@ class StageWorkerNode(ShardFollower, Node):
         welcome = await self.join()
         if welcome is None:
             return
-        shards = [tuple(s) for s in welcome.info["shards"]]
+        shards = [tuple(s) for s in welcome.info.shards]
         self.learn_welcome_shards(welcome.info)
         self.ps = StagePSClient(self.sharded, shards, name=self.id, cfg=self.cfg,
                                 timeout_s=self.cfg.limits.request_timeout_s)

@@ -58,7 +58,7 @@ from hmp.errors import HmpError, RemoteError
 from hmp.messages import Kind, Work
 from hmp.nodes.shard_follower import ShardFollower
 from hmp.nodes.worker_base import WorkerBase
-from hmp.ps.schedule import lr_at
+from hmp.ps.lr_schedule import lr_at
 
 
 async def _with_next(batches: AsyncIterator[torch.Tensor], ahead: bool) -> AsyncIterator[tuple[torch.Tensor, Any]]:
@@ -99,19 +99,19 @@ class WorkerNode(ShardFollower, WorkerBase):
             return
         self.start_heartbeat()
         info = welcome.info
-        index, count = int(info["worker_index"]), int(info["num_workers"])
+        index, count = int(info.worker_index), int(info.num_workers)
         # A static slice is this worker's share of the training rows; first-come-first-served work units may come
         # from anywhere. Only worker 0 evaluates, so only it loads the test set.
         share = None if self.first_come_first_served else (index, count)
         data = await self.in_thread(job.dataset, self.cfg, "all" if index == 0 else "train", share)
-        self.batch_size = int(info.get("batch_size") or self.batch_size)
-        resumed = info.get("resume") or {}
+        self.batch_size = int(info.batch_size or self.batch_size)
+        resumed = info.resume or {}
         if resumed:  # a resumed job: the counters go on from the previous part's
             self.metrics.update({k: resumed[k] for k in ("samples", "updates", "epoch") if k in resumed})
             self.step = int(resumed.get("updates", 0))
             self.samples_before = self.metrics["samples"]
-        self.start_epoch = int(info.get("start_epoch", 0))
-        ps = PSClient(sharded, [tuple(s) for s in info["shards"]], name=self.id, cfg=self.cfg,
+        self.start_epoch = int(info.start_epoch or 0)
+        ps = PSClient(sharded, [tuple(s) for s in info.shards], name=self.id, cfg=self.cfg,
                       timeout_s=self.cfg.limits.request_timeout_s)
         self.ps = ps
         self.learn_welcome_shards(info)

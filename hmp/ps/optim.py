@@ -16,7 +16,7 @@ Each chunk is a single tensor, so there is nothing for torch's ``_foreach_*`` op
 batch over here; a shard that wants one kernel launch for many chunks should place them
 in one contiguous region and run one optimizer over that region.
 
-Learning-rate schedules (``[optimizer] schedule``, :mod:`hmp.ps.schedule`): an optimizer built
+Learning-rate schedules (``[optimizer] schedule``, :mod:`hmp.ps.lr_schedule`): an optimizer built
 with a ``schedule`` takes each update's rate from it by its own update count (the rate of update
 ``s + 1`` is ``schedule.lr(lr, s)``). A shard's workers push every chunk of the shard at each update
 and a ring steps each flat buffer once per step, so the count is the shard's applied-update count
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from hmp.config import Config
-from hmp.ps.schedule import LRSchedule
+from hmp.ps.lr_schedule import LRSchedule
 
 
 def accumulate(dst: Tensor, src: Tensor, first: bool) -> None:
@@ -78,7 +78,7 @@ class ChunkOptimizer:
         self.numel, self.dtype, self.device = numel, dtype, torch.empty(0, device=device).device
         self.steps = 0
         if schedule is not None and not isinstance(schedule, LRSchedule):
-            raise ValueError(f"schedule must be an hmp.ps.schedule.LRSchedule or None, got {schedule!r}")
+            raise ValueError(f"schedule must be an hmp.ps.lr_schedule.LRSchedule or None, got {schedule!r}")
         self.schedule = schedule
         self._lr = math.nan  # this update's rate, set by step() before _update (subclasses set lr first)
 
@@ -378,7 +378,7 @@ def make_chunk_optimizer(
     """Build the optimizer ``name`` ("sgd", "adam", "adagrad") for a chunk of ``numel`` elements.
 
     ``hyper`` are the torch.optim keyword names (``lr``, ``momentum``, ``betas``, ...), plus
-    ``schedule`` (an :class:`~hmp.ps.schedule.LRSchedule`, or a mapping of its fields);
+    ``schedule`` (an :class:`~hmp.ps.lr_schedule.LRSchedule`, or a mapping of its fields);
     unknown names or hyper-parameters raise ``ValueError`` listing the accepted ones.
     """
     cls = OPTIMIZERS.get(name)

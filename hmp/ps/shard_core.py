@@ -36,7 +36,7 @@ import torch
 
 from hmp.config import Consistency
 from hmp.errors import RequestError
-from hmp.messages import Push, Replicate
+from hmp.messages import Push, Replicate, RowGrads
 from hmp.ps import checkpoint
 from hmp.ps.checkpoint import CheckpointError
 from hmp.ps.optim import accumulate, make_chunk_optimizer, scale_
@@ -263,15 +263,14 @@ class ShardCore:
         chunks = [self.chunks[k] for k in row_keys]
         return tuple(c.param.view(-1, c.dim).index_select(0, r.to(c.param.device)) for c, r in zip(chunks, rows))
 
-    def _step_rows_and_tick(self, dense: Sequence[int], row_keys: Sequence[int], rows: Sequence[torch.Tensor],
-                            row_grads: Sequence[torch.Tensor]) -> None:
-        """The row-sparse part of one update: rows of ``row_keys`` stepped, every other row-sparse chunk
+    def _step_rows_and_tick(self, dense: Sequence[int], sparse: RowGrads) -> None:
+        """The row-sparse part of one update: the rows of ``sparse`` stepped, every other row-sparse chunk
         not stepped whole (``dense``) ticked."""
-        for k, r, g in zip(row_keys, rows, row_grads):
+        for k, r, g in zip(*sparse):
             c = self.chunks[k]
             c.optimizer.step_rows(c.param, r, g, c.dim)
         if self.row_chunks:
-            stepped = set(dense) | set(row_keys)
+            stepped = set(dense) | set(sparse.keys)
             for k in self.row_chunks:
                 if k not in stepped:
                     self.chunks[k].optimizer.tick()
@@ -323,7 +322,7 @@ class ShardCore:
         shard is on its way out: a sync round or the SSP bound would wait for workers stopping too."""
         worker, seq = push.sender, push.seq
         self.check(push.keys, push.grads, "push")
-        self.check_rows(push.row_keys, push.rows, push.row_grads, "push", push.keys)
+        self.check_rows(*push.sparse_grads, "push", push.keys)
         self.check_rows(push.want_keys, push.want_rows, None, "push (want_rows)")
         if self.reject_nonfinite:
             self.check_finite(push.keys, push.grads, "push")
@@ -349,7 +348,7 @@ class ShardCore:
             round_id = self.version
             if push.want_keys:  # copies of the ids (small): the frames are released before the round completes
                 self.round_wants[worker] = (push.want_keys, tuple(r.clone() for r in push.want_rows))
-            self.contribute(worker, push.keys, push.grads, push.samples, seq, push.row_keys, push.rows, push.row_grads)
+            self.contribute(worker, push.keys, push.grads, push.samples, seq, push.sparse_grads)
             if self.round_complete():
                 self._rounds_done.append(self.finish_round())
             return AwaitRound(round_id)
@@ -379,11 +378,9 @@ class ShardCore:
         self.waiting.pop(ticket, None)
 
     def _apply_push(self, push: Push) -> Replicate:
-        self.apply(push.sender, push.keys, push.grads, push.samples, push.seq, push.row_keys, push.rows,
-                   push.row_grads)
+        self.apply(push.sender, push.keys, push.grads, push.samples, push.seq, push.sparse_grads)
         return Replicate(group=self.shard_id, fseq=0, op="push", keys=push.keys, grads=push.grads, worker=push.sender,
-                         seq=push.seq, samples=push.samples, row_keys=push.row_keys, rows=push.rows,
-                         row_grads=push.row_grads)
+                         seq=push.seq, samples=push.samples, **push.sparse_grads.fields())
 
     # ---------------------------------------------------------------- async / ssp
     def ssp_ready(self, worker: str) -> bool:
@@ -394,15 +391,14 @@ class ShardCore:
         return self.clock.get(worker, 0) - slowest <= self.staleness
 
     def apply(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-              seq: int = 0, row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
-              row_grads: Sequence[torch.Tensor] = ()) -> int:
+              seq: int = 0, sparse: RowGrads = RowGrads()) -> int:
         """Apply one worker's gradients at once (async, ssp); returns the new version. ``seq``: the
         push's number (0: none), remembered so that a retry of it is not applied again (:meth:`seen`).
-        ``row_keys``, ``rows``, ``row_grads``: its row-sparse part (checked: :meth:`check_rows`)."""
+        ``sparse``: its row-sparse part (checked: :meth:`check_rows`)."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
-        self._step_rows_and_tick(keys, row_keys, rows, row_grads)
+        self._step_rows_and_tick(keys, sparse)
         self.version += 1
         self.updates_applied += 1
         self.samples += samples
@@ -414,8 +410,7 @@ class ShardCore:
 
     # ---------------------------------------------------------------- sync
     def contribute(self, worker: str, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-                   seq: int = 0, row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
-                   row_grads: Sequence[torch.Tensor] = ()) -> None:
+                   seq: int = 0, sparse: RowGrads = RowGrads()) -> None:
         """Sync: fold one worker's gradients into this round's aggregation buffers (``seq``: as for
         :meth:`apply`, remembered as applied when the round is; the row-sparse part as for :meth:`apply`)."""
         self.round_members.add(worker)
@@ -430,7 +425,7 @@ class ShardCore:
             # A row-sparse chunk's buffer is kept at zero between rounds (rows may come first): always added.
             accumulate(c.agg, g, first=c.contributors == 0 and not c.dim)
             c.contributors += 1
-        for k, r, g in zip(row_keys, rows, row_grads):
+        for k, r, g in zip(*sparse):
             c = self.chunks[k]
             if c.agg is None:
                 c.agg = torch.zeros_like(c.param)
@@ -482,15 +477,15 @@ class ShardCore:
                 row_keys.append(c.key)
                 row_ids.append(rows)
                 row_grads.append(g)
-        self._step_rows_and_tick(applied, row_keys, row_ids, row_grads)
+        rows = RowGrads(tuple(row_keys), tuple(row_ids), tuple(row_grads))
+        self._step_rows_and_tick(applied, rows)
         self.round_members.clear()
         for w, seq in self.round_seq.items():
             self.last_seq[w] = max(seq, self.last_seq.get(w, 0))
         keys, grads = tuple(applied), tuple(self.chunks[k].agg for k in applied)
         self.last_round = (keys, grads, dict(self.round_seq), self.round_samples)
         forward = Replicate(group=self.shard_id, fseq=0, op="round", keys=keys, grads=grads, samples=self.round_samples,
-                            round_seqs=dict(self.round_seq), row_keys=tuple(row_keys), rows=tuple(row_ids),
-                            row_grads=tuple(row_grads))
+                            round_seqs=dict(self.round_seq), **rows.fields())
         # A row-sparse chunk pushed whole: its buffer goes back to zero (rows may come first next round), once
         # the backup has it (ps_shard waits for the round's forward before the next round writes buffers).
         self._zero_after_forward = tuple(k for k in applied if self.chunks[k].dim)
@@ -504,14 +499,13 @@ class ShardCore:
                          {w: (wk, self.row_values(wk, wr)) for w, (wk, wr) in wants.items()}, forward)
 
     def apply_round(self, keys: Sequence[int], grads: Sequence[torch.Tensor], samples: int,
-                    seqs: dict[str, int], row_keys: Sequence[int] = (), rows: Sequence[torch.Tensor] = (),
-                    row_grads: Sequence[torch.Tensor] = ()) -> int:
+                    seqs: dict[str, int], sparse: RowGrads = RowGrads()) -> int:
         """A backup (sync): apply a round its primary completed (:attr:`RoundDone.forward`: the averaged
         gradients and rows, the push numbers it applied per worker, its examples); returns the new version."""
         for k, g in zip(keys, grads):
             c = self.chunks[k]
             c.optimizer.step(c.param, g)
-        self._step_rows_and_tick(keys, row_keys, rows, row_grads)
+        self._step_rows_and_tick(keys, sparse)
         for w, seq in seqs.items():
             self.last_seq[w] = max(int(seq), self.last_seq.get(w, 0))
         self.samples += samples
@@ -538,11 +532,11 @@ class ShardCore:
             raise RequestError(f"replicate of {group!r}: forward {msg.fseq} out of order (last applied "
                                f"{'none: a copy is expected first' if last < 0 else last})", "out_of_order")
         self.check(msg.keys, msg.grads, "replicate")
-        self.check_rows(msg.row_keys, msg.rows, msg.row_grads, "replicate", msg.keys)
+        self.check_rows(*msg.sparse_grads, "replicate", msg.keys)
         if msg.op == "push":
-            self.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.row_keys, msg.rows, msg.row_grads)
+            self.apply(msg.worker, msg.keys, msg.grads, msg.samples, msg.seq, msg.sparse_grads)
         elif msg.op == "round":
-            self.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.row_keys, msg.rows, msg.row_grads)
+            self.apply_round(msg.keys, msg.grads, msg.samples, msg.round_seqs, msg.sparse_grads)
         elif msg.op == "init":
             self.set_values(msg.keys, msg.grads)
         else:

@@ -86,6 +86,7 @@ from typing import Any
 from hmp.batching.adapter import PolicyAdapter
 from hmp.config import Config, Consistency, Role
 from hmp.errors import RequestError
+from hmp.messages import ReplicaInfo, RingInfo, WelcomeInfo
 from hmp.ps.sharding import initial_replicas, next_backup
 from hmp.report import RunReport
 from hmp.train.stop_rule import TargetConfirmation, target_reason
@@ -100,7 +101,7 @@ S = MemberState
 class Admitted:
     """Welcome the node; ``info`` goes into its ``welcome`` (shards; workers: index, batch size)."""
 
-    info: dict[str, Any]
+    info: WelcomeInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,8 +420,8 @@ class SchedulerCore:
 
     def _shards_changed(self, why: str) -> None:
         self.shard_epoch += 1
-        self._events.append(ShardsChanged(self.shard_epoch, tuple((s, a) for s, a in self.shard_addresses()),
-                                          tuple(sorted(self.shards_down)), why))
+        self._events.append(ShardsChanged(self.shard_epoch, self.shard_addresses(), tuple(sorted(self.shards_down)),
+                                          why))
 
     # ---------------------------------------------------------------- replicas ([ps] replicas = 2)
     def primary_of(self, group: str) -> str:
@@ -472,13 +473,15 @@ class SchedulerCore:
 
     def _replicas_changed(self, why: str, tell_workers: bool = True) -> None:
         self.shard_epoch += 1
-        groups = tuple((g, p, b) for g, (p, b) in self.replica_map.items())
-        self._events.append(ReplicasChanged(self.shard_epoch, groups, tuple((s, a) for s, a in self.shard_addresses()),
-                                            why, tell_workers, tuple((s, a) for s, a in self.replica_shards())))
+        self._events.append(ReplicasChanged(self.shard_epoch, self._replica_groups(), self.shard_addresses(), why,
+                                            tell_workers, self.replica_shards()))
 
-    def replica_shards(self) -> list[list[str]]:
-        """``[[shard id, address], ...]`` of every shard as it joined (where the shards reach each other)."""
-        return [[s, self.membership[s].address] for s in self.shard_ids]
+    def _replica_groups(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple((g, p, b) for g, (p, b) in self.replica_map.items())
+
+    def replica_shards(self) -> tuple[tuple[str, str], ...]:
+        """``((shard id, address), ...)`` of every shard as it joined (where the shards reach each other)."""
+        return tuple((s, self.membership[s].address) for s in self.shard_ids)
 
     def replicas_applied(self, epoch: int, now: float) -> None:
         """The shell told every live shard of change ``epoch`` and each answered: the failover it
@@ -518,7 +521,7 @@ class SchedulerCore:
         if m.id not in self.failed_over:  # restarted before it was noticed lost: the old process is gone
             self._failover(m, f"restarted ({why})", now - m.last_seen, now)
             if self.failed:
-                return Admitted({"shards": self.shard_addresses()})
+                return Admitted(WelcomeInfo(shards=self.shard_addresses()))
         self._record(m.id, "restarted", f"{why}; joins as a backup", now)
         m.address, m.pid, m.last_seen = address, pid, now
         self.failed_over.discard(m.id)
@@ -526,9 +529,12 @@ class SchedulerCore:
             self._move(m, S.LIVE, "restarted")
         self._rebuild_backups(now)
         self._replicas_changed(f"{m.id} restarted ({why})")
-        return Admitted({"shards": self.replica_shards(), "workers": self.membership.ids(UP | {S.JOINING}, workers=True),
-                         "replicas": {"groups": [[g, p, b] for g, (p, b) in self.replica_map.items()],
-                                      "epoch": self.shard_epoch}})
+        return Admitted(WelcomeInfo(shards=self.replica_shards(), workers=self._workers_in(),
+                                    replicas=ReplicaInfo(groups=self._replica_groups(), epoch=self.shard_epoch)))
+
+    def _workers_in(self) -> tuple[str, ...]:
+        """The workers still in the job (a restarted shard's welcome: the others hold no round or bound back)."""
+        return tuple(self.membership.ids(UP | {S.JOINING}, workers=True))
 
     def _record(self, node: str, event: str, why: str, now: float) -> None:
         """One line of the report's membership history (``event``: lost, left, failed, rejoined, restarted)."""
@@ -583,10 +589,10 @@ class SchedulerCore:
             self.workers_done = True
             self._events.append(WorkersDone())
 
-    def shard_addresses(self) -> list[list[str]]:
-        """``[[shard id, address], ...]`` in shard-index order (the welcome's and the status's ``shards``): with
+    def shard_addresses(self) -> tuple[tuple[str, str], ...]:
+        """``((shard id, address), ...)`` in shard-index order (the welcome's and the status's ``shards``): with
         replicas, where each chunk group (named by its first shard's id) is served now, its primary's address."""
-        return [[s, self.membership[self.primary_of(s)].address] for s in self.shard_ids]
+        return tuple((s, self.membership[self.primary_of(s)].address) for s in self.shard_ids)
 
     # ---------------------------------------------------------------- control
     def start(self, now: float) -> None:
@@ -641,9 +647,7 @@ class SchedulerCore:
             if self.replica_map:
                 return self._replica_restarted(m, pid, address, now)
             self._shard_restarted(m, pid, address, now)
-            # The workers still in the job: the others must not hold its sync rounds or SSP bounds back.
-            return Admitted({"shards": self.shard_addresses(), "workers": self.membership.ids(
-                UP | {S.JOINING}, workers=True)})
+            return Admitted(WelcomeInfo(shards=self.shard_addresses(), workers=self._workers_in()))
         m.address, m.pid = address, pid
         if not m.is_worker:
             self._move(m, S.LIVE, "joined")
@@ -652,7 +656,7 @@ class SchedulerCore:
                 self._events.append(ShardsReady())
                 if self.replica_map:  # the shards learn where their backups are (the workers know from their welcome)
                     self._replicas_changed("every shard has joined", tell_workers=False)
-            return Admitted({"shards": self.shard_addresses() if self.shards_ready else []})
+            return Admitted(WelcomeInfo(shards=self.shard_addresses() if self.shards_ready else ()))
         # A worker is held until every shard has joined (its welcome lists them). It re-sends its
         # join every few seconds meanwhile; only the newest one is admitted, so that held joins do
         # not all wake at once (each would re-run the placement loop's membership hook).
@@ -704,10 +708,6 @@ class SchedulerCore:
         if survivors:
             self._form_ring(survivors, f"{lost} {why}")
 
-    def _ring_info(self, worker: str) -> dict[str, Any]:
-        return {"generation": self.ring_generation, "members": list(self.ring_members),
-                "addresses": [self.membership[w].address for w in self.ring_members],
-                "rank": self.ring_members.index(worker)}
 
     def admit(self, sender: str, generation: int, now: float) -> Admitted:
         """Admit a held worker join (call once every shard has joined); an older join than the
@@ -724,18 +724,17 @@ class SchedulerCore:
         self._move(m, S.LIVE, "admitted")
         if self.t0 is None:
             self.t0 = now
-        info = {"shards": self.shard_addresses(), "worker_index": self.worker_ids.index(m.id),
-                "num_workers": len(self.worker_ids), "batch_size": self.policy.initial(m.id)}
-        if m.id in self.resumed_progress:  # --resume: the worker's counters go on from the previous part's
-            info["resume"] = self.resumed_progress[m.id]
-        if self.resumed_progress:
-            info["start_epoch"] = self.start_epoch()
-        if self.shard_epoch:  # a shard went down or moved since the job began: the worker starts from this view
-            info.update(shards_down=sorted(self.shards_down), shard_epoch=self.shard_epoch)
-        if self.allreduce:
-            info["ring"] = self._ring_info(m.id)
-            info["worker_index"], info["num_workers"] = info["ring"]["rank"], len(self.ring_members)
-        return Admitted(info)
+        ring = RingInfo(generation=self.ring_generation, members=self.ring_members,
+                        addresses=tuple(self.membership[w].address for w in self.ring_members),
+                        rank=self.ring_members.index(m.id)) if self.allreduce else None
+        return Admitted(WelcomeInfo(
+            shards=self.shard_addresses(), worker_index=ring.rank if ring else self.worker_ids.index(m.id),
+            num_workers=len(ring.members if ring else self.worker_ids), batch_size=self.policy.initial(m.id),
+            # --resume: the worker's counters go on from the previous part's
+            resume=self.resumed_progress.get(m.id), start_epoch=self.start_epoch() if self.resumed_progress else None,
+            # a shard went down or moved since the job began: the worker starts from this view
+            shards_down=tuple(sorted(self.shards_down)) if self.shard_epoch else None,
+            shard_epoch=self.shard_epoch or None, ring=ring))
 
     def heartbeat(self, sender: str, now: float, step: int | None = None) -> Refused | None:
         """``step``: what the heartbeat carried (a shard's version: a restart's lost updates are counted with it)."""

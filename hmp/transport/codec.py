@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import types
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +49,7 @@ import numpy as np
 import torch
 
 from hmp.errors import ProtocolError
-from hmp.messages import MESSAGE_TYPES, PROTOCOL_VERSION, SCHEMAS, FieldSpec, Kind, Message
+from hmp.messages import MESSAGE_TYPES, PROTOCOL_VERSION, SCHEMAS, FieldSpec, Kind, Message, Payload, payload_wire
 
 # Received frames are read-only buffers; torch warns on every frombuffer over one. The views are
 # documented as read-only, so the warning carries no information here.
@@ -132,8 +134,8 @@ class _Mismatch(Exception):
 
     Internal: the where-string is only built when a value is wrong, not for every field."""
 
-    def __init__(self, ann: Any, value: Any) -> None:
-        self.ann, self.value, self.path = ann, value, ""
+    def __init__(self, ann: Any, value: Any, why: str = "") -> None:
+        self.ann, self.value, self.path, self.why = ann, value, "", why
 
 
 #: check(value, limits) -> the value as the dataclass wants it; raises _Mismatch.
@@ -168,6 +170,11 @@ def _checker(ann: Any) -> Checker:
     origin = getattr(ann, "__origin__", None)
     if ann is Any:
         return _any
+    if isinstance(ann, types.UnionType):  # ``X | None``: a payload's optional field (None is left out when sent)
+        inner = _checker(next(a for a in ann.__args__ if a is not type(None)))
+        return lambda value, limits: None if value is None else inner(value, limits)
+    if isinstance(ann, type) and issubclass(ann, Payload):
+        return _payload_checker(ann)
     if ann is bool:
         def check_bool(value: Any, limits: Limits) -> Any:
             if value is True or value is False:
@@ -238,7 +245,35 @@ def _checker(ann: Any) -> Checker:
     return check_unknown
 
 
+def _payload_checker(cls: type[Payload]) -> Checker:
+    """A payload's map -> the payload: every key one of its fields, every required field there, each value checked."""
+    hints = typing.get_type_hints(cls)
+    checks = {f.name: _checker(hints[f.name]) for f in dataclasses.fields(cls)}
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+    def check_payload(value: Any, limits: Limits) -> Any:
+        if not isinstance(value, dict):
+            raise _Mismatch(cls, value)
+        unknown = [k for k in value if k not in checks]
+        missing = [k for k in required if k not in value]
+        if unknown or missing:
+            raise _Mismatch(cls, value, f"unexpected keys {sorted(map(str, unknown))}" if unknown else
+                            f"missing keys {missing}")
+        out = {}
+        for k, v in value.items():
+            try:
+                out[k] = checks[k](v, limits)
+            except _Mismatch as exc:
+                exc.path = f"[{k!r}]{exc.path}"
+                raise
+        return cls(**out)
+    return check_payload
+
+
 def _field_error(where: str, exc: _Mismatch) -> ProtocolError:
+    if exc.why:
+        return ProtocolError(f"{where}{exc.path}: {exc.why} for {exc.ann.__name__}", "bad_field")
     name = getattr(exc.ann, "__name__", str(exc.ann))
     return ProtocolError(f"{where}{exc.path}: expected {name}, got {type(exc.value).__name__}", "bad_field")
 
@@ -320,7 +355,7 @@ class _Packers(threading.local):
     costs more than packing a control message)."""
 
     def __init__(self) -> None:
-        self.packer = msgpack.Packer(use_bin_type=True)
+        self.packer = msgpack.Packer(use_bin_type=True, default=payload_wire)
 
 
 _packers = _Packers()

@@ -99,7 +99,9 @@ def test_svmlight_parts_parse_only_their_lines_and_equal_the_whole_load_cut(tmp_
     """A share or the test set of an svmlight file (dense or sparse) parses only its own lines, yet equals the
     whole load cut (rows, order, labels, feature count, offsets): one-based, zero-based, comments and qids, a
     separate test file. A NaN outside the part is not this load's to find; inside it, its line is named."""
-    from hmp.data import _split, _svmlight_index, load_svmlight, select
+    from hmp.data import load_svmlight, select
+    from hmp.data.dataset import _split
+    from hmp.data.loaders import _svmlight_index
 
     for path, test_path in _svmlight_variants(tmp_path):
         assert _svmlight_index(path) is not None  # the quick pass reads it: the parts below parse only their lines

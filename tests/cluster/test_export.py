@@ -11,7 +11,7 @@ import pytest
 from hmp import job
 from hmp.cluster import LocalCluster
 from hmp.export import MODEL_FILE, PARAMETERS, load_model, model_info
-from hmp.ps.schedule import lr_at
+from hmp.ps.lr_schedule import lr_at
 from hmp.train.evaluate import evaluate
 
 from tests.support import REPORT_SCHEMA, digits_job_text, free_port, schema_errors, write_config

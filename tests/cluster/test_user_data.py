@@ -437,7 +437,7 @@ def test_a_worker_finds_a_bad_row_of_its_own_share_and_exits_2(tmp_path):
     training rows after joining, finds the infinity in one of them and exits 2 with the one-line error."""
     from sklearn.datasets import load_breast_cancer
 
-    from hmp.data import _split
+    from hmp.data.dataset import _split
 
     d = load_breast_cancer()
     train_rows = _split(np.arange(len(d.target)), d.target, 0.2, 0)[0]

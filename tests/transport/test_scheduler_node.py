@@ -76,6 +76,6 @@ async def test_only_the_newest_held_join_of_a_worker_is_answered(tmp_path):
         assert info.value.code == "bad_request"
         welcome = await second
         assert isinstance(welcome, Welcome)
-        assert welcome.info["shards"] == [["ps0", "tcp://ps0"], ["ps1", "tcp://ps1"]]
-        assert welcome.info["worker_index"] == 0
+        assert welcome.info.shards == (("ps0", "tcp://ps0"), ("ps1", "tcp://ps1"))
+        assert welcome.info.worker_index == 0
         assert node.status()["members"]["cpu0"] == "live"

@@ -15,7 +15,7 @@ from hmp.ps.optim import (
     scale_,
 )
 from hmp.flat import FlatLayout, chunk_views
-from hmp.ps.schedule import LRSchedule
+from hmp.ps.lr_schedule import LRSchedule
 
 torch.set_num_threads(1)
 

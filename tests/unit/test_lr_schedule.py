@@ -1,4 +1,4 @@
-"""Learning-rate schedules (hmp.ps.schedule): the documented closed forms, torch's schedulers, and a real
+"""Learning-rate schedules (hmp.ps.lr_schedule): the documented closed forms, torch's schedulers, and a real
 shard core applying updates at the scheduled rates."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from hmp.config import loads
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
-from hmp.ps.schedule import LRSchedule, cosine_annealing, lr_at, step_decay
+from hmp.ps.lr_schedule import LRSchedule, cosine_annealing, lr_at, step_decay
 from hmp.ps.shard_core import ShardCore
 
 NODES = """

@@ -90,13 +90,13 @@ def test_a_lost_primary_fails_over_to_its_backup_and_the_job_runs_unreplicated_w
     assert failover["promote_s"] == pytest.approx(0.05)
     report = core.run_report.to_json()
     assert report["ran_unreplicated"] and {u["group"] for u in report["unreplicated"]} == {"ps0", "ps1"}
-    assert core.shard_addresses() == [["ps0", "tcp://ps1"], ["ps1", "tcp://ps1"]]
+    assert core.shard_addresses() == (("ps0", "tcp://ps1"), ("ps1", "tcp://ps1"))
     # The lost process heard from again (it was only stalled): its groups are served elsewhere, it stops.
     assert "failed over" in core.heartbeat("ps0", 3.2).reason
     # Restarted (a new process): it joins as the backup of both groups, and they are replicated again.
     decision = core.join("ps0", "ps", "tcp://ps0-new", 9, 4.0)
     assert isinstance(decision, Admitted)
-    assert decision.info["replicas"]["groups"] == [["ps0", "ps1", "ps0"], ["ps1", "ps1", "ps0"]]
+    assert decision.info.replicas.groups == (("ps0", "ps1", "ps0"), ("ps1", "ps1", "ps0"))
     assert all(u["until_t"] is not None for u in core.run_report.unreplicated)
     assert core.heartbeat("ps0", 4.1) is None
 

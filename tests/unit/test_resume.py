@@ -27,7 +27,7 @@ def test_a_resumed_core_goes_on_from_the_saved_cursor_counters_and_report():
     for s in ("ps0", "ps1"):
         resumed.join(s, "ps", f"tcp://{s}", 1, 10.0)
     welcome = resumed.join("cpu0", "cpu_worker", "tcp://cpu0", 2, 10.0)
-    assert welcome.info["resume"]["updates"] == 9.0 and welcome.info["start_epoch"] == 1
+    assert welcome.info.resume["updates"] == 9.0 and welcome.info.start_epoch == 1
     resumed.join("gpu0", "gpu_worker", "tcp://gpu0", 2, 10.0)
     # The ranges held are handed out again first, then the cursor goes on: epoch 0 is not trained again.
     given = [resumed.work("gpu0", 50, 11.0) for _ in range(3)]

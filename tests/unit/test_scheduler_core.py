@@ -6,6 +6,7 @@ import pytest
 
 from hmp.config import loads
 from hmp.errors import ConfigError, RequestError
+from hmp.messages import RingInfo, WelcomeInfo
 from hmp.scheduler.core import (Admitted, Assignment, Held, JobFailed, MemberChanged, Refused, RingFormed,
                                 SchedulerCore, ShardsReady, StopDecided, WorkerDropped, WorkersDone, WorkRange)
 from hmp.scheduler.membership import (TRANSITIONS, IllegalTransition, Member, MemberState, Membership)
@@ -49,10 +50,10 @@ def test_shards_join_live_and_shards_ready_fires_once_all_have():
     """A shard goes straight to LIVE; ShardsReady is emitted when the last shard joins, and only then."""
     core = scheduler_core()
     first = core.join("ps0", "ps", "tcp://ps0", 1, 0.0)
-    assert first == Admitted({"shards": []}) and _state(core, "ps0") == S.LIVE
+    assert first == Admitted(WelcomeInfo(shards=())) and _state(core, "ps0") == S.LIVE
     assert not any(isinstance(e, ShardsReady) for e in core.take_events())
     second = core.join("ps1", "ps", "tcp://ps1", 1, 0.1)
-    assert second.info["shards"] == [["ps0", "tcp://ps0"], ["ps1", "tcp://ps1"]]
+    assert second.info.shards == (("ps0", "tcp://ps0"), ("ps1", "tcp://ps1"))
     assert sum(isinstance(e, ShardsReady) for e in core.take_events()) == 1
 
 
@@ -66,8 +67,8 @@ def test_worker_join_is_held_until_every_shard_has_joined():
         core.admit("cpu0", held.generation, 0.6)
     core.join("ps1", "ps", "tcp://ps1", 1, 1.0)
     welcome = core.admit("cpu0", held.generation, 1.0)
-    assert welcome.info == {"shards": [["ps0", "tcp://ps0"], ["ps1", "tcp://ps1"]], "worker_index": 0,
-                            "num_workers": 2, "batch_size": 32}
+    assert welcome.info.wire() == {"shards": (("ps0", "tcp://ps0"), ("ps1", "tcp://ps1")), "worker_index": 0,
+                                   "num_workers": 2, "batch_size": 32}
     assert _state(core, "cpu0") == S.LIVE and core.t0 == 1.0
     assert ("cpu0", S.JOINING, S.LIVE, True) in _changes(core.take_events())
 
@@ -388,11 +389,11 @@ def test_the_ring_forms_once_every_worker_has_joined_and_welcomes_carry_it():
     assert _rings(core.take_events()) == []
     last = core.join("w2", "gpu_worker", "tcp://w2", 1, 0.2)
     assert _rings(core.take_events()) == [(1, ("w0", "w1", "w2"), ("tcp://w0", "tcp://w1", "tcp://w2"))]
-    assert isinstance(last, Admitted) and last.info["ring"]["rank"] == 2
+    assert isinstance(last, Admitted) and last.info.ring.rank == 2
     first = core.admit("w1", 1, 0.3)
-    assert first.info["ring"] == {"generation": 1, "members": ["w0", "w1", "w2"],
-                                  "addresses": ["tcp://w0", "tcp://w1", "tcp://w2"], "rank": 1}
-    assert (first.info["worker_index"], first.info["num_workers"], first.info["shards"]) == (1, 3, [])
+    assert first.info.ring == RingInfo(generation=1, members=("w0", "w1", "w2"),
+                                       addresses=("tcp://w0", "tcp://w1", "tcp://w2"), rank=1)
+    assert (first.info.worker_index, first.info.num_workers, first.info.shards) == (1, 3, ())
 
 
 def test_a_lost_ring_member_re_forms_the_ring_from_the_survivors_and_is_refused_if_it_comes_back():
@@ -435,7 +436,7 @@ def test_a_ring_member_that_joins_again_is_taken_into_a_new_generation():
     core.tick(3.5)
     core.take_events()
     back = core.join("w1", "cpu_worker", "tcp://w1b", 7, 4.0)
-    assert isinstance(back, Admitted) and back.info["ring"]["generation"] == 3 and back.info["ring"]["rank"] == 1
+    assert isinstance(back, Admitted) and back.info.ring.generation == 3 and back.info.ring.rank == 1
     assert _rings(core.take_events()) == [(3, ("w0", "w1", "w2"), ("tcp://w0", "tcp://w1b", "tcp://w2"))]
     assert [(e["node"], e["event"]) for e in core.run_report.membership] == [("w1", "lost"), ("w1", "restarted")]
     core.request_stop("enough", 5.0)

@@ -250,9 +250,9 @@ def test_a_backup_fed_the_decisions_forwards_is_identical_and_duplicates_are_not
         nonlocal forwarded
         forwarded += 1
         if f.op == "push":
-            backup.apply(f.worker, f.keys, f.grads, f.samples, f.seq, f.row_keys, f.rows, f.row_grads)
+            backup.apply(f.worker, f.keys, f.grads, f.samples, f.seq, f.sparse_grads)
         else:
-            backup.apply_round(f.keys, f.grads, f.samples, f.round_seqs, f.row_keys, f.rows, f.row_grads)
+            backup.apply_round(f.keys, f.grads, f.samples, f.round_seqs, f.sparse_grads)
 
     gen = torch.Generator().manual_seed(0)
     for i in range(12):

@@ -84,8 +84,8 @@ def test_a_lost_shard_that_may_be_restarted_is_waited_for_and_rejoins_at_a_new_a
     # Started again with --resume: a new process at a new port, admitted with the workers still in the job.
     decision = core.join("ps0", "ps", "tcp://ps0-new", 7, 4.0)
     assert isinstance(decision, Admitted)
-    assert decision.info["workers"] == ["cpu0", "gpu0"]
-    assert dict(decision.info["shards"])["ps0"] == "tcp://ps0-new"
+    assert decision.info.workers == ("cpu0", "gpu0")
+    assert dict(decision.info.shards)["ps0"] == "tcp://ps0-new"
     back = [e for e in core.take_events() if isinstance(e, ShardsChanged)]
     assert [(e.epoch, e.down, dict(e.shards)["ps0"]) for e in back] == [(2, (), "tcp://ps0-new")]
     assert core.membership["ps0"].state == "live" and core.awaiting_restart == {}

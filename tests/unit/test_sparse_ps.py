@@ -7,6 +7,7 @@ from torch.nn import functional as F
 
 from hmp import models
 from hmp.flat import FlatLayout
+from hmp.messages import RowGrads
 from tests.support import BUCKETS, DIM, FIELDS
 
 
@@ -49,7 +50,7 @@ def test_a_table_chunk_counts_every_update_of_its_shard_like_sparse_adams_step()
     gen = torch.Generator().manual_seed(5)
     for key, rows in steps:
         g = torch.randn(len(rows), 4, generator=gen)
-        core.apply("cpu0", (), (), 1, row_keys=(key,), rows=(rows,), row_grads=(g,))
+        core.apply("cpu0", (), (), 1, sparse=RowGrads((key,), (rows,), (g,)))
         reference.grad = torch.sparse_coo_tensor((rows + 4 * key)[None], g, (8, 4), check_invariants=True)
         opt.step()
     got = torch.cat([core.chunks[0].param, core.chunks[1].param]).view(8, 4)

@@ -13,9 +13,9 @@ ring's step. With ``W = warmup_steps``, ``lr`` the optimizer's rate and ``t = s 
   ``T = total_steps`` (torch's ``CosineAnnealingLR`` at epoch ``t`` for ``t <= T``); it stays at
   ``min_lr`` after ``T``, where torch's closed form would climb again.
 
-docs/optimizers.md has the same formulas with the optimizers they feed. The fused HFTA schedulers
-(:mod:`hmp.hfta.lr_schedule`) are per member and per epoch; :func:`step_decay` and
-:func:`cosine_annealing` are the closed forms both may share.
+docs/optimizers.md has the same formulas with the optimizers they feed. :func:`step_decay` and
+:func:`cosine_annealing` are the one implementation of those closed forms: the fused HFTA schedulers
+(:mod:`hmp.hfta.lr_schedule`, per member and per epoch) use them too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 from typing import Any, Protocol
 
 #: the values of ``[optimizer] schedule``
-SCHEDULES = ("constant", "step", "cosine")
+LR_SCHEDULES = ("constant", "step", "cosine")
 
 
 def step_decay(base_lr: float, gamma: float, step_size: int, t: int) -> float:
@@ -38,7 +38,7 @@ def cosine_annealing(base_lr: float, eta_min: float, t_max: int, t: int) -> floa
     return eta_min + (base_lr - eta_min) * (1 + math.cos(math.pi * t / t_max)) / 2
 
 
-class _ScheduleSettings(Protocol):
+class _LRScheduleSettings(Protocol):
     """What :func:`lr_at` reads: ``[optimizer]``'s keys (:class:`hmp.config.schema.OptimizerConfig`)."""
 
     lr: float
@@ -63,8 +63,8 @@ class LRSchedule:
     min_lr: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.kind!r}")
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(LR_SCHEDULES)}, got {self.kind!r}")
         for name, low in (("warmup_steps", 0), ("step_size", 1), ("total_steps", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -77,7 +77,7 @@ class LRSchedule:
             raise ValueError(f"min_lr must be a finite number >= 0, got {self.min_lr!r}")
 
     @classmethod
-    def of(cls, o: _ScheduleSettings) -> LRSchedule:
+    def of(cls, o: _LRScheduleSettings) -> LRSchedule:
         """The schedule of an ``[optimizer]`` section."""
         return cls(kind=str(o.schedule), warmup_steps=int(o.warmup_steps), step_size=int(o.step_size),
                    gamma=float(o.gamma), total_steps=int(o.total_steps), min_lr=float(o.min_lr))
@@ -111,6 +111,6 @@ class LRSchedule:
         return out
 
 
-def lr_at(step: int, o: _ScheduleSettings) -> float:
+def lr_at(step: int, o: _LRScheduleSettings) -> float:
     """The learning rate of the update made after ``step`` updates, for ``[optimizer]`` section ``o``."""
     return LRSchedule.of(o).lr(o.lr, step)

@@ -2,13 +2,8 @@
 
 The one place config is read. Every error names the file, the key and what was expected
 (:class:`~hmp.errors.ConfigError`). Environment overrides are read in :func:`env_overrides` only
-and listed in docs/config.md.
-
-Types and ranges are checked by hand, not by pydantic (evaluated for issue 10): the checks here are
-a few dozen lines, pydantic would move the ranges into ``Field`` constraints but need a table that
-turns its error types and locations back into our file/key/expected wording, the cross-field checks
-(roles, addresses, policy vs consistency) would stay as they are, and importing pydantic and building
-the models costs every daemon 0.1-0.5 s at start against ~1 ms for loading a whole file here.
+and listed in docs/config.md. Types and ranges are checked by hand, not by pydantic, for the
+reasons in docs/architecture.md, "Libraries used, and hand-written code kept".
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """The wire codec: pure functions between typed messages and frame lists. No sockets here.
 
-``encode(msg) -> list[buffer]`` and ``decode(frames) -> Message``. Frame 0 is a msgpack map (the
-header); frames 1..n are raw C-contiguous tensor bytes, each tensor cut into frames of at most
-``frame_bytes``. The full format is in docs/protocol.md.
-
-Zero-copy rules
----------------
-* ``encode`` returns memoryviews over the tensors' own memory; nothing is copied unless a tensor
-  is not C-contiguous (made contiguous once: the wire carries dense row-major bytes). The caller
-  must not mutate a tensor until the send that holds its frames has completed (see
-  ``hmp.transport.endpoint``: ``Client.send(track=True)`` returns a tracker to wait on, and a
-  handler's ``Reply(msg, on_sent)`` is told when its buffers are free).
-* ``decode`` returns tensors that are *views over the received frames* when a tensor arrived in
-  one frame. The default ``frame_bytes`` (1 GiB, the default message limit) keeps every tensor in
-  one frame, so the receive side copies nothing. The views are read-only in spirit: they alias the
-  transport's receive buffers. A tensor that arrived split over several frames is assembled into
-  one new buffer: the frames are separate allocations, and one contiguous tensor cannot view them
-  all (this is the only copy on the receive side).
-* ``decode`` raises only :class:`~hmp.errors.ProtocolError`, whatever bytes it is given.
-
-Shared memory
--------------
-A tensor descriptor may carry ``"shm": [segment, offset, slot]`` instead of frames (docs/protocol.md,
-"Shared memory"): the tensor's bytes lie in a shared-memory segment both peers map. The codec stays
-pure: ``encode(..., locate=f)`` asks ``f(tensor)`` for a reference (None: send frames), and
-``decode(..., resolve=g)`` asks ``g(segment, offset, nbytes, slot)`` for a buffer of exactly
-``nbytes`` (``hmp.transport.shm`` provides both, the endpoint decides per peer when to pass them).
-A reference decoded without a resolver, or one the resolver refuses, is a ProtocolError with code
-``bad_shm``.
-
-Speed: the per-kind schema (field checkers, tensor fields) is compiled once at import, so encoding
-or decoding a small control message costs a few microseconds (see bench/transport.py).
+``encode(msg) -> list[buffer]`` returns a msgpack header frame plus views of the tensors' own
+memory, and ``decode(frames) -> Message`` returns tensors that view the received frames, so a
+message crosses the codec without copies; ``decode`` raises only
+:class:`~hmp.errors.ProtocolError`. Shared-memory references are located and resolved through
+callbacks, which keeps the codec pure. The format and the zero-copy rules are in
+docs/protocol.md.
 """
 
 from __future__ import annotations

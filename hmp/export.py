@@ -30,7 +30,7 @@ MODEL_INFO = "model.json"
 CONFIG_COPY = "config.toml"
 #: ``model.json``'s format; :func:`load_model` reads this one
 EXPORT_FORMAT = 1
-#: the values of ``model.json``'s ``parameters`` (module docstring)
+#: the values of ``model.json``'s ``parameters`` (docs/report.md, ``final.model``)
 PARAMETERS = ("at_stop", "end", "ring")
 
 

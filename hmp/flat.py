@@ -292,7 +292,7 @@ class FlatLayout:
 
         ``device``: where the flat buffers live; default the device of the first parameter.
 
-        A row-sparse table's ``.grad`` is not bound (see the module docstring): it is set to None.
+        A row-sparse table's ``.grad`` is not bound (docs/architecture.md): it is set to None.
         """
         self.check(model)
         if device is None:

@@ -166,8 +166,7 @@ class CollectiveConfig:
     bucket_bytes: int = _field(25 << 20, "allreduce: gradients are summed in buckets of about this many bytes, in "
                                          "reverse parameter order, each as soon as backward has produced it")
     piece_bytes: int = _field(8 << 20, "allreduce: a bucket travels the ring in pieces of at most this many bytes "
-                                       "(pipelining granularity; each piece costs CPU of its own: bench/allreduce.py "
-                                       "ran 4 workers x 128 MiB 25% slower with 2 MiB)")
+                                       "(pipelining granularity; each piece costs CPU of its own: docs/collective.md)")
     small_bytes: int = _field(256 << 10, "allreduce: buckets whose bytes times (workers - 1) are at most this use "
                                          "the one-step algorithm (every worker sends to every other) instead of the "
                                          "ring")

@@ -165,7 +165,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """``step()`` for a training loop that owns the optimizer: the same update, called
         inside ``torch.no_grad()`` by the caller, without what torch wraps around every
         ``Optimizer.step`` (a profiler range, the step hooks, a grad-mode switch). Those cost
-        ~80 us a call, as much as the SGD update of a small fused MLP itself. Falls back to
+        as much as the SGD update of a small fused MLP itself (docs/hfta.md). Falls back to
         ``step()`` when step hooks are registered, so they still run."""
         if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks()
                 or "step" in self.__dict__  # patched on the instance (a scheduler's step counter, say)

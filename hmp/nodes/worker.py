@@ -51,7 +51,7 @@ class WorkerNode(ShardFollower, WorkerBase):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
         self.init_shard_view()  # the PS shards as the scheduler last said (hmp.nodes.shard_follower)
-        self.push_seq = time.time_ns() // 1000  # see the module docstring: new to every shard after a restart
+        self.push_seq = time.time_ns() // 1000  # new to every shard after a restart (docs/protocol.md)
         self.push_retries = 0
         self.ps: PSClient | None = None  # once admitted
         self.start_epoch = 0  # --resume: the first epoch of a static data share

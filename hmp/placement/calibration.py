@@ -18,9 +18,8 @@ from dataclasses import dataclass, field, replace
 from hmp.placement.problem import PlacementProblem
 
 #: Worker seconds per parameter byte of a stage's per-step PS sync (encode and send the gradient
-#: chunks, receive the reply, write the new values back), before calibration. Measured here from
-#: the calibrated runs of bench/pipeline.py (docs/placement.md): 4-5 ms per MB pushed on the
-#: loaded 2-core machine.
+#: chunks, receive the reply, write the new values back), before calibration: from the calibrated
+#: runs of bench/pipeline.py (docs/placement.md, "Runtime model and calibration").
 DEFAULT_SYNC_S_PER_BYTE = 4e-9
 #: Fixed worker seconds per step (the drain's bookkeeping: averaging, switching gradient buffers,
 #: stage 0's gather of the micro-batches, dispatching the push's replies), before calibration.
@@ -31,7 +30,8 @@ DEFAULT_PS_S_PER_BYTE = 1.5e-9
 MIN_CALIBRATION_STEPS = 8
 #: ... over at least this many seconds of each worker's wall time, counted from its first report
 #: under the plan (the plan's first moments, pulls and warm-up on a machine still busy with the
-#: other daemons' start, are left out: calibrated on them the MLP pipeline came out 15-55% slow).
+#: other daemons' start, are left out: calibrated on them the model predicted the MLP pipeline
+#: too slow; docs/placement.md).
 MIN_CALIBRATION_S = 1.0
 
 

@@ -140,7 +140,7 @@ class RLPlanner:
     def train(self, problem: PlacementProblem) -> TrainResult:
         """Train on ``problem``; return the best plan, the policy and the training record."""
         # One intra-op thread: the tensors are tiny, and on a shared machine a second thread turns
-        # every op into a wait for a busy core (15x slower measured on 2 loaded cores).
+        # every op into a wait for a busy core (docs/placement.md, "Planners").
         with torch_threads(self.threads):
             return self._train(problem)
 

@@ -27,9 +27,8 @@ _TOP_KEYS = frozenset(
 )
 #: Seconds of fixed cost per message crossing a stage boundary on this runtime (hmp over ZeroMQ on
 #: loopback, Python on both ends): the one-way cost of a small ``activations`` message, measured
-#: with ``python bench/pipeline.py --message-overhead`` on the 2-core development machine (a request
-#: round trip of 200-250 us, halved)
-#: (docs/placement.md, "Cost model"). A link between hosts adds its latency on top.
+#: with ``python bench/pipeline.py --message-overhead`` on the 2-core development machine (half a
+#: request round trip; docs/placement.md, "Cost model"). A link between hosts adds its latency on top.
 DEFAULT_MESSAGE_OVERHEAD_S = 120e-6
 _RESOURCE_KEYS = frozenset({"name", "price_per_hour", "count", "speed_scale", "measured", "device", "overhead_s", "times_s"})
 LAYER_KINDS = ("sparse", "dense", "elementwise")

@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 #: Tensors up to this many bytes travel in one frame and are decoded as views (no copy). Large on
 #: purpose, against the ~1 MiB first planned: ZeroMQ hands over a multipart message only when all of
 #: it has arrived, so small frames cannot pipeline anything, and a tensor cut into frames must be
-#: copied back together by the receiver, ~8-13 ms per 64 MiB here, a third of the transfer itself.
+#: copied back together by the receiver (docs/architecture.md, "Changes from DESIGN.md").
 #: Single big frames were slow only because libzmq's buffer for a frame over 32 MiB is a fresh mmap
 #: that faults in page by page; ``endpoint.tune_malloc()`` (daemons call it) removes that. Tensors
 #: above this are still split (and copied together once on receipt); see bench/transport.py.
@@ -72,8 +72,8 @@ class Limits:
     max_tensors: int = 1024
     max_rank: int = 8
     max_string: int = 1 << 16  #: characters in any header string
-    #: maps and arrays in a header, counted while it is unpacked (each costs ~0.1-1 us, and a 1 MiB
-    #: header of empty arrays holds a million); None: 2 per tensor descriptor (a map and its shape)
+    #: maps and arrays in a header, counted while it is unpacked (a 1 MiB header of empty arrays
+    #: holds a million); None: 2 per tensor descriptor (a map and its shape)
     #: plus 256
     max_containers: int | None = None
     #: nesting of the free-form (``Any``) values in ``fields``, e.g. ``tensors.meta``: deeper values
@@ -443,7 +443,7 @@ def decode_header(frame0: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any
     containers = limits.container_limit
     if len(raw) > containers:
         # Each map or array takes at least one byte, so only a header longer than the limit can
-        # hold too many: count them as they are built (the hook costs ~0.2 us a container, paid
+        # hold too many: count them as they are built (the hook's cost per container is paid
         # by large headers only) and stop at the first one over.
         options["list_hook"] = options["object_hook"] = _container_counter(containers)
     try:
@@ -496,7 +496,7 @@ def _view(frames: Sequence[memoryview], dtype: torch.dtype, shape: list[int], nb
         return flat if len(shape) == 1 else flat.view(shape)
     # Split over several frames (separate allocations): assemble once into one buffer. numpy's
     # allocator asks the kernel for transparent huge pages on buffers this large, so first touch
-    # costs ~512x fewer page faults than torch.empty's 4 KiB pages (64 MiB: ~13 ms vs ~32 ms here).
+    # costs 512x fewer page faults than torch.empty's 4 KiB pages (docs/protocol.md, "Flow control").
     out = np.empty(nbytes, dtype=np.uint8)
     pos = 0
     for f in frames:

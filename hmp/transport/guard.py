@@ -22,7 +22,7 @@ from hmp.transport.codec import Limits
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
-#: Parts read per turn of the event loop (about 3-6 ms at the per-part cost above); a message with
+#: Parts read per turn of the event loop (docs/protocol.md, "Limits"); a message with
 #: more parts is read over several turns, with the loop's other callbacks (heartbeats) in between.
 PARTS_PER_TURN = 1024
 
@@ -153,8 +153,8 @@ def release_memory() -> bool:
     For after refusing a large message: :func:`hmp.transport.endpoint.tune_malloc` keeps freed
     receive buffers mapped on purpose (up to its ``retain_bytes`` at the top of the heap, and any
     amount below live allocations), so a refused 3 GiB message would otherwise stay in the RSS.
-    Costs a walk of the heap and a page release per freed page (measured: 0.5 ms with nothing to
-    give back, 18 ms for 256 MiB), so call it rarely: after a refused message of many megabytes,
+    Costs a walk of the heap and a page release per freed page (docs/protocol.md, "Flow control"),
+    so call it rarely: after a refused message of many megabytes,
     not per message.
     """
     if platform.libc_ver()[0] != "glibc":

@@ -1,32 +1,11 @@
 """A client for running PS shards, usable from any asyncio program.
 
-    async with PSClient.from_config(cfg, shards) as ps:   # shards: [(id, address), ...]
-        await ps.pull()                 # model parameters <- shards
-        loss = ...; loss.backward()     # gradients land in the flat grad buffer
-        await ps.push(samples=32)       # gradients -> shards; replies carry the new values
-
-``push`` sends each shard one ``push`` message whose frames are views of the flat gradient buffer
-(no concatenation copy) and writes the values in the ``params`` reply straight into the model's
-parameters (the one necessary copy: receive frame -> parameter storage).
-
-Shared memory (``[shm] enabled``, the default; docs/shm.md): the client moves the flat gradient
-buffer into its process's shared-memory arena once, at construction, so that a push to a shard on
-the same host carries references instead of bytes, and the shard's reply comes back as views of
-its reply slots, released once written into the parameters. Other shards get frames as before.
-
-Row-sparse tables (an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``; docs/protocol.md,
-"Row-sparse tables"): a push sends a table's gradient as the rows its sparse gradient holds (ids
-relative to each chunk, with the row gradients), not the whole table, and asks for the rows of the
-client's next batch (``want``, ``{parameter name: row ids}``), which the reply carries and the client
-writes into its table. ``pull()`` still fetches everything; ``pull(rows=...)`` only those rows of the
-tables (and the dense chunks whole). One push or pull at a time: the rows a reply carries are matched
-to the ids the client last asked for of each chunk.
-
-CURVE (``[security] curve = true``; docs/security.md): a program outside the topology dials the
-shards with its own key of the job's key folder (``hmp-keygen DIR --client NAME``), either given
-(``security=Curve.load(DIR, NAME, serve=False)``) or, with :meth:`PSClient.from_config`, read from
-the config's ``key_dir`` under the client's ``name``. A key the job did not issue fails the first
-request with :class:`~hmp.transport.security.HandshakeFailed` within ``handshake_timeout_s``.
+:class:`PSClient` pulls the model's parameters from the shards and pushes the flat gradient buffer
+to them, one message per shard whose frames view the buffer (no concatenation copy), writing each
+reply's values straight into the parameters; it uses shared memory with shards on its host,
+row-sparse pushes for sparse tables and CURVE keys when the job has them. One push or pull at a
+time: a reply's rows are matched to the ids last asked for. See docs/protocol.md ("Taking part
+from outside the topology"), docs/shm.md and docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The one exception tree of hmp.
 
-::
-
-    HmpError
-    ├── ProtocolError        a frame sequence that is not a valid hmp message (codec)
-    ├── ConfigError          a bad config file: names the file, the key and what was expected
-    ├── RequestError         a well-formed request a handler refuses (wrong shape, unknown key, ...)
-    ├── RemoteError          the peer answered a request with an error reply
-    └── TransportError       the connection, not the content, failed
-        ├── RequestTimeout   no reply within the timeout
-        ├── PeerLost         the peer was declared lost (missed heartbeats) or closed
-        └── EndpointClosed   the local endpoint was closed while the request was pending
-
-A daemon turns ``ProtocolError`` and ``RequestError`` raised while serving a request into an
-error reply (see docs/protocol.md, "Error replies") and keeps serving; the client side raises
-``RemoteError`` carrying the reply's ``code`` and ``message``.
+Every error hmp raises is an :class:`HmpError`, so callers can catch hmp's failures apart from
+others: :class:`ProtocolError` (not a valid message), :class:`ConfigError` (names file, key and
+what was expected), :class:`RequestError` (a request a handler refuses), :class:`RemoteError` (the
+peer's error reply) and :class:`TransportError` (the connection failed) with its subclasses. The
+tree and how daemons turn errors into replies: docs/protocol.md, "Error replies".
 """
 
 from __future__ import annotations

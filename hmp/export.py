@@ -1,25 +1,10 @@
 """The model a job hands back: ``<report_dir>/model.pt`` and :func:`load_model` (``hmp.load_model``).
 
 At the end of a PS or allreduce job the parameters its report's ``final`` evaluation used are
-written as one ordinary checkpoint of the user's model, so that nothing of hmp is needed to use it:
-
-* ``model.pt``: ``torch.save`` of the model's ``state_dict()`` (CPU tensors), which
-  ``model.load_state_dict(torch.load("model.pt"))`` loads into the model the config builds;
-* ``model.json``: how to build that model again (``[model]`` as the job ran it, the config file
-  it came from) and which parameters these are (``parameters``, ``metrics``: the evaluation of
-  exactly these values, ``sha256`` of ``model.pt``); written last, so a ``model.json`` means a
-  whole export;
-* ``config.toml``: a copy of the job's config file, when it came from one (for the record: the
-  model is rebuilt from ``model.json``, whose ``config_path`` is where relative paths in
-  ``[model] name`` are resolved from).
-
-What ``parameters`` says (docs/report.md, ``final.model``): ``"at_stop"``, the PS values the
-scheduler pulled and evaluated when it confirmed a target stop rule; ``"end"``, the PS values after
-every worker finished (no update was in flight any more); ``"ring"``, rank 0's replica after the
-ring's last step (every member's is the same). Buffers that the PS does not train (a BatchNorm's
-running statistics) are the model's initial ones in PS jobs.
-
-A sweep job's parameters are its members' fused side by side (:mod:`hmp.hfta`): not exported here.
+written as an ordinary ``state_dict`` checkpoint of the user's model (``model.pt``), with
+``model.json`` saying how to rebuild the model and which parameters these are, so that nothing of
+hmp is needed to use the result. The files and what ``parameters`` means are in docs/report.md
+(``final.model``). A sweep job's fused parameters are not exported here.
 """
 
 from __future__ import annotations
@@ -45,7 +30,7 @@ MODEL_INFO = "model.json"
 CONFIG_COPY = "config.toml"
 #: ``model.json``'s format; :func:`load_model` reads this one
 EXPORT_FORMAT = 1
-#: the values of ``model.json``'s ``parameters`` (module docstring)
+#: the values of ``model.json``'s ``parameters`` (docs/report.md, ``final.model``)
 PARAMETERS = ("at_stop", "end", "ring")
 
 

@@ -1,38 +1,11 @@
 """Flat parameter buffers and their chunks (after PHub).
 
-A model's trainable parameters are laid out in ONE flat 1-D buffer per dtype; every
-parameter becomes a view ``flat[offset:offset + numel].view(shape)`` into it. The flat
-buffers are then cut into :class:`Chunk` s of at most ``chunk_bytes`` bytes (chunk
-boundaries ignore parameter boundaries, so a big embedding table spans many chunks and
-many small biases share one). Chunks, not parameters, are the unit the workers push
-and pull and the unit placed on PS shards, which keeps every message and every shard's
-load near the same size whatever the model looks like.
-
-Worker side::
-
-    layout = FlatLayout.from_model(model, chunk_bytes=1 << 20)
-    flat = layout.bind(model)              # params and grads now live in flat buffers
-    loss.backward()                        # autograd accumulates into flat.grads
-    grads = chunk_views(flat.grads, layout.chunks)   # {key: 1-D view}, no copies
-    ...push grads, pull params into chunk_views(flat.params, layout.chunks)...
-    flat.zero_grad()                       # NOT optimizer.zero_grad() (see FlatLayout.bind)
-
-Which shard owns which chunk is :func:`hmp.ps.sharding.assign_chunks`'s business.
-
-Row-sparse tables: the weight of an ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True``
-(its ``.grad`` is a sparse COO tensor holding only the rows a batch looked up) is laid out as a
-:class:`RowTable`: chunk boundaries fall on its row boundaries (a chunk holds whole rows, at least
-one), so that a push or pull can name rows of a chunk (docs/protocol.md, "Row-sparse tables").
-:meth:`FlatLayout.bind` leaves such a weight's ``.grad`` unbound (None before each backward):
-autograd then hands over the sparse gradient itself rather than scattering it into the flat
-buffer, and :meth:`FlatBuffers.zero_grad` never touches the table's part of the gradient buffer
-(whose pages, never written, cost no memory). A model without sparse tables is laid out exactly
-as before.
-
-Only parameters with ``requires_grad=True`` are laid out; module buffers (e.g.
-BatchNorm running statistics) are not parameters and stay where they are.
-``model.named_parameters()`` already drops shared (tied) parameters after their first
-name, so a tied weight occupies one slot.
+A model's trainable parameters are laid out in one flat 1-D buffer per dtype (every parameter a
+view into it), and the buffers are cut into :class:`Chunk` s of at most ``chunk_bytes`` bytes
+regardless of parameter boundaries. Chunks, not parameters, are what workers push and pull and
+what is placed on PS shards, which keeps every message and every shard's load near the same size
+whatever the model looks like. Row-sparse tables are laid out as :class:`RowTable` s of whole
+rows. See docs/architecture.md, "Parameter-server data path".
 """
 
 from __future__ import annotations
@@ -319,7 +292,7 @@ class FlatLayout:
 
         ``device``: where the flat buffers live; default the device of the first parameter.
 
-        A row-sparse table's ``.grad`` is not bound (see the module docstring): it is set to None.
+        A row-sparse table's ``.grad`` is not bound (docs/architecture.md): it is set to None.
         """
         self.check(model)
         if device is None:

@@ -1,21 +1,11 @@
 """A job: its config checked by every subsystem, its dataset, and its model laid out over the shards.
 
 The one module that knows all the subsystems a job is made of (models, data, HFTA sweeps, batch
-policies, the layer planner, pipelines): the daemons, the launcher and the API come here rather
-than each assembling them. Below it, the subsystems know nothing of each other.
-
-* :func:`load` / :func:`loads`: :mod:`hmp.config`'s own checks, then each subsystem's
-  ``check_config`` (what only its code can judge), then what needs the whole job: the folders it
-  writes (report, checkpoints) can be written, each shard's share of the model fits in one
-  message, and (:func:`check_data`, with ``data=True``: the launcher's once-per-job check) the data
-  loads and the model fits it;
-  every error naming file and key (and for data, the data file's line or array).
-* :func:`dataset`: ``[data]`` loaded (digits and click are built in; svmlight and npz read the
-  user's files; an import path names the user's loader), standardized if asked, whole or only a
-  part (a worker's share, the scheduler's test set).
-* :func:`sharded_model`: the model built from ``[model]`` with its seed, laid out in flat buffers
-  (layer-aligned chunks for a pipeline job), fused into one array for a sweep job, and its chunks
-  assigned to the shards; identical on every node.
+policies, the layer planner, pipelines), so that the daemons, the launcher and the API come here
+rather than each assembling them, and the subsystems know nothing of each other. :func:`load`
+checks a config (every error naming file and key), :func:`dataset` loads ``[data]`` or a part of
+it, and :func:`sharded_model` builds the model and lays it out over the shards, identically on
+every node.
 """
 
 from __future__ import annotations

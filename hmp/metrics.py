@@ -1,29 +1,10 @@
 """Each daemon's counters and histograms, in the Prometheus text format over HTTP (docs/metrics.md).
 
-With ``[metrics] enabled = true`` every daemon serves ``http://<its host>:<port>/metrics`` (``[metrics]
-port``; 0: the OS picks one per daemon) from its own ``prometheus_client.CollectorRegistry``. Nothing is
-counted into Prometheus objects as it happens: the transport keeps plain numbers
-(:class:`hmp.transport.endpoint.TransportMetrics`, a dict increment or two per message), the node its own
-(heartbeat round trips in :mod:`hmp.nodes.base`, a worker's ``metrics``, a shard's ``core``, the
-scheduler's report), and a scrape reads them all at once.
-
-* :func:`snapshot` (on the node's event loop thread) is every value now as a plain dict, the one source
-  of what is exported: the HTTP endpoint formats it. Under Ray the daemon's actor reads the endpoint and
-  records the same values through ``ray.util.metrics`` (:class:`hmp.ray_engine.RayMetrics`): this module,
-  which every daemon imports, never imports Ray.
-* :class:`MetricsEndpoint` serves it: a ``wsgiref`` server of ``prometheus_client`` on its own thread, so
-  that a scrape never waits on the event loop nor the loop on a scrape. The thread asks the loop for a
-  snapshot (``call_soon_threadsafe``; a loop that does not answer within :data:`SNAPSHOT_TIMEOUT_S`
-  gets the scraper a 503) and formats it off the loop. ``stop()`` closes the port and joins every
-  thread it started (a request's socket times out after :data:`REQUEST_TIMEOUT_S`, so a stalled scraper
-  cannot hold the stop).
-* The endpoint's URL goes into ``<report_dir>/metrics/<node id>.json`` (:func:`url_file`), removed at
-  stop: :class:`hmp.cluster.LocalCluster` reads them (:func:`read_urls`) and lists them at start.
-
-Role-specific values are read from what the node objects keep anyway (never a counter added to a
-training loop for this): a worker's ``metrics`` dict and ``busy_s``, its PS client's bytes and version;
-a shard's ``core`` (updates applied, samples, version) and ``stats``; the scheduler's membership and the
-workers' latest reports. :data:`ROLE_COLLECTORS` maps each role to its function.
+Nothing is counted into Prometheus objects as it happens: the transport and the nodes keep plain
+numbers, :func:`snapshot` reads them on the event loop, and :class:`MetricsEndpoint` serves them
+from a thread of its own, so that a scrape never waits on the loop nor the loop on a scrape. The
+module never imports Ray (Ray's actor re-exports the same snapshot). Details: docs/metrics.md,
+"How it is served, and what it costs".
 """
 
 from __future__ import annotations

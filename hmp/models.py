@@ -1,20 +1,9 @@
 """Model factories shared by the runtime, the planner and the benchmarks, and the user's own models.
 
-``[model] name`` is a factory of :data:`MODELS` (``digits_mlp``, ``click_model``, ``deep_mlp``,
-``sparse_mlp``) or an
-import path to the user's own: ``package.module:function`` (importable: installed or on ``PYTHONPATH``)
-or ``path/to/file.py:function`` (relative paths from the config file's folder), called with ``[model]
-args`` as keyword arguments and returning any ``torch.nn.Module`` (a class is a factory too). The shipped
-factories build ``nn.Sequential`` models, so that their layers can be profiled one by one and cut into
-pipeline stages (HeterPS) without special cases; HFTA sweeps and pipeline jobs need one (checked at
-load, :func:`check_config`). docs/data.md lists every factory's arguments.
-
-Row-sparse tables: ``click_model(sparse=True)`` and ``sparse_mlp`` hold an ``nn.Embedding`` /
-``nn.EmbeddingBag`` built with ``sparse=True``, whose rows the parameter server pushes and pulls one by
-one (docs/protocol.md, "Row-sparse tables"). Such a model tells the workers which rows a batch reads:
-``model.rows_touched(batch) -> {parameter name: int64 row ids}`` (:class:`RowSparseSequential`); a worker
-pulls those rows of its next batch with each push, and falls back to pulling whole tables for a model
-of the user's own without the method.
+``[model] name`` is a factory of :data:`MODELS` or an import path to the user's own factory. The
+shipped factories build ``nn.Sequential`` models so that their layers can be profiled and cut into
+pipeline stages without special cases; those with row-sparse tables say which rows a batch reads
+(``rows_touched``, :class:`RowSparseSequential`). Factories and their arguments: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The run report's figure: loss, throughput per worker and update shares against wall time.
 
-:func:`plot_report` draws ``report.json``'s data (``hmp.report.RunReport.to_json()``) as three panels
-sharing the time axis, every report point plotted (markers where a line has few, so that a job of a
-second or two still shows its points):
-
-* loss: each worker's training loss, and dashed, the test loss of the worker that evaluates;
-* throughput: each worker's samples/s between consecutive reports (the first point: its average so far);
-* update shares: each worker's share of all the updates reported up to each moment (stacked: they sum to
-  1), the final share in the legend.
-
-Headless (matplotlib's Agg backend); it imports nothing of hmp.
+:func:`plot_report` draws ``report.json``'s data as three panels sharing the time axis: each
+worker's training loss (and, dashed, the evaluating worker's test loss), each worker's samples/s
+between reports, and each worker's stacked share of all updates so far. Headless (matplotlib's Agg
+backend); it imports nothing of hmp.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The scheduler's side of the batch policies (:mod:`hmp.batching.hogbatch`).
 
 Workers report cumulative counters; the policies want per-interval rates. :class:`PolicyAdapter`
-keeps each worker's previous report, turns the difference into a :class:`WorkerReport` and returns
-the policy's batch size and data share for the reporting worker. Knobs the config leaves out default
-from the topology: ``static`` keeps each worker's configured batch size; ``sync`` takes ``[train]
-batch_size``; ``hogbatch`` takes the CPU and GPU workers' configured batch sizes; ``adaptive`` takes
-the CPU worker's as ``base_batch`` and the GPU worker's as ``initial_gpu_batch`` (its batch until its
-speed is measured).
-
-Speeds are measured on *compute* time by default (``policy_args.speed = "compute"``): examples per
-second spent in forward/backward (the worker's ``busy_s``), not per wall-clock second. With a fixed
-cost per update (the push/pull round trip), wall-clock speed grows with the batch size itself, so
-Adaptive Hogbatch, which sizes batches in proportion to speed, fed its own output back and grew the
-GPU batch without bound (bench/hogbatch.py, docs/hogbatch.md). Compute speed is a property of the
-device and the model, as the paper's rule assumes. ``speed = "wall"`` restores the old measure.
+keeps each worker's previous report, turns the difference into a :class:`WorkerReport`, fills the
+knobs the config leaves out from the topology, and returns the policy's batch size and data share
+for the reporting worker. Speeds are measured on compute time by default, not wall time, for the
+reason docs/hogbatch.md gives ("Run 3").
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
-"""Batch-size and data-share policies for heterogeneous CPU+GPU SGD (Ma & Rusu, "Heterogeneous
-CPU+GPU Stochastic Gradient Descent Algorithms", arXiv:2004.08771).
+"""Batch-size and data-share policies for heterogeneous CPU+GPU SGD (Ma & Rusu, arXiv:2004.08771).
 
-Pure: no sockets, no clocks, no threads. A policy takes the workers' :class:`WorkerReport` s and
-returns one :class:`Assignment` per live worker (batch size, expected share of the data, whether
-updates are synchronous). The scheduler feeds it reports through :mod:`hmp.batching.adapter`; the
-tests feed it scripted reports or the virtual-time simulator (:mod:`hmp.batching.simulator`).
-
-One policy concept, the base class :class:`BatchPolicy`, and one subclass per ``[train] policy``:
-
-* :class:`StaticPolicy` -- every worker keeps its configured batch size; equal data shares.
-* :class:`SyncSGD` -- the baseline: bulk-synchronous data-parallel SGD, one batch size
-  everywhere, equal data shares.
-* :class:`StaticHogbatch` -- CPU+GPU Hogbatch: fixed small CPU batches, fixed large GPU batches,
-  data handed out first-come-first-served, so each worker's share of the data is proportional
-  to its throughput; the CPU side makes most of the model updates.
-* :class:`AdaptiveHogbatch` -- batch sizes follow the measured speeds so that update rates
-  balance; ``threshold`` is the update imbalance accepted to keep GPUs on larger batches.
-  The rule and the reasons for it are in docs/hogbatch.md.
-
-Shares always sum to 1 over the live workers. A worker leaves the table by :meth:`forget`
-(the scheduler declared it lost) or by staying silent for ``stale_after_s``; its share goes to
-the others at once. A report from an unknown worker id registers it (late join or rejoin).
+Pure (no sockets, clocks or threads), so that the scheduler (through :mod:`hmp.batching.adapter`),
+the tests and the virtual-time simulator drive the same code: a :class:`BatchPolicy` takes the
+workers' :class:`WorkerReport` s and returns each live worker's :class:`Assignment` (batch size,
+data share, synchronous or not). One subclass per ``[train] policy``: :class:`StaticPolicy`,
+:class:`SyncSGD`, :class:`StaticHogbatch` and :class:`AdaptiveHogbatch`; their rules are in
+docs/hogbatch.md.
 """
 
 from __future__ import annotations

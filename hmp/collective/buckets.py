@@ -1,28 +1,9 @@
 """Gradient buckets: slices of the flat gradient buffers that become ready during ``backward()``.
 
-A model bound to a :class:`~hmp.flat.FlatLayout` has every parameter's ``.grad`` as a view into a
-flat per-dtype gradient buffer, laid out in ``named_parameters()`` order. Autograd produces the
-gradients roughly in *reverse* parameter order (the last layer first), so, as in PyTorch's DDP,
-buckets are formed in reverse order: walking the parameters from the last one, each dtype's
-parameters are grouped until a group holds at least ``bucket_bytes``.
-
-Why a bucket is one contiguous slice: a dtype's parameters sit in its flat buffer in forward order,
-one after the other (parameter ``k + 1`` starts where ``k`` ends, whatever other dtypes lie between
-them in ``named_parameters()``). Walking them backwards and cutting consecutive runs gives runs of
-adjacent parameters, i.e. contiguous slices ``[start, end)``, the first bucket at the end of the
-buffer. So a bucket's gradient is a slice *view* of the flat buffer: all-reducing it in place
-updates the parameters' ``.grad`` with no copy.
-
-A post-accumulate-grad hook on every parameter counts down its bucket; when the last one has
-accumulated, ``on_ready(bucket_index, view)`` is called, on the thread running ``backward()``
-(an asyncio daemon hands it to its loop with ``loop.call_soon_threadsafe``). Each bucket fires
-exactly once per backward pass; :meth:`GradientBuckets.reset` re-arms them for the next step (a
-second backward without a reset raises: accumulating gradients over several passes is a
-caller's decision to make explicit). A parameter that takes no part in a pass never fires its
-hook: :meth:`GradientBuckets.flush` fires the buckets still pending, in order.
-
-On CUDA the hook runs when the accumulation is *queued* on the device; the ring's staging copies
-on a stream that waits for the caller's current stream, so they see the finished gradients.
+As in PyTorch's DDP, buckets group parameters in reverse order, so the ring can start all-reducing
+the last layers' gradients while backward is still computing the first ones; each bucket is a
+contiguous slice view of a flat per-dtype buffer, so reducing it in place updates the parameters'
+``.grad`` with no copy. docs/collective.md, "Gradient buckets", explains the layout and the hooks.
 """
 
 from __future__ import annotations

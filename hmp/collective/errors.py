@@ -1,13 +1,8 @@
-"""The collective's errors (subclasses of :class:`hmp.errors.HmpError`; they live here, not in
-``hmp/errors.py``, so that this package stays self-contained: move them there if other layers
-come to need them).
-
-::
-
-    HmpError
-    └── RingError       the collective cannot be used as asked (closed, aborted by the caller)
-        └── RingBroken  an operation cannot complete because of one rank: no progress within
-                        ``timeout_s`` (dead, partitioned or stuck), or it refused a piece
+"""The collective's errors, subclasses of :class:`hmp.errors.HmpError` kept here so that this package
+stays self-contained (move them to ``hmp/errors.py`` if other layers come to need them):
+:class:`RingError`, the collective cannot be used as asked (closed, aborted by the caller), and its
+subclass :class:`RingBroken`, an operation cannot complete because of one rank (no progress within
+``timeout_s``: dead, partitioned or stuck; or it refused a piece).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Agree on where to go on after a ring lost a member: the survivors' completed steps, and the most
 advanced member's state for the others.
 
-A member lost in the middle of a step may have let some survivors finish that step (and apply its
-update) and not others: in the all-gather, pieces pass through every member, so whether a survivor
-got all of them depends on where the lost one stopped. Survivors therefore differ by at most one
-step. On the new ring they sum a vector of their completed steps (one slot per rank); when the
-steps agree nothing else is sent; when they differ, the lowest-ranked member with the most steps
-sends its state (whatever ``snapshot()`` returns: parameters, optimizer state, data position) to
-the others as bytes, in an all-reduce in which the others add zeros (``x + 0 == x`` for bytes),
-and they ``restore()`` it. Every survivor then holds the same state and step.
-
-It is an ordinary sequence of all-reduces, so it fails like one (``RingBroken``); the caller waits
-for the next ring and calls it again.
+A member lost mid-step may have let some survivors finish that step and not others, so on the new
+ring they sum their completed-step counts and, where these differ, the lowest-ranked member with
+the most steps sends its ``snapshot()`` to the others in an all-reduce to which they add zeros.
+It fails like any all-reduce (``RingBroken``): the caller waits for the next ring and calls it
+again. See docs/architecture.md, "Collective data path".
 """
 
 from __future__ import annotations

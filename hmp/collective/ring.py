@@ -31,10 +31,9 @@ from hmp.transport.endpoint import Client
 
 #: Pipelining granularity: one piece is one message and one frame (a view on both ends). Each
 #: message costs CPU in the transport on top of its bytes (encode, send, libzmq's wake-ups, decode,
-#: pyzmq's zero-copy release), and on a small machine the ring is CPU-bound: with most pieces
-#: one-way, 8 MiB pieces ran 4 processes x 128 MiB at 0.93-0.95x gloo where 2 MiB ran 0.70, and
-#: 2 x 128 MiB at 1.14-1.15x (2 MiB: 0.88); a segment smaller than a piece is one piece anyway.
-#: Before the pieces went one-way, 2 MiB was best (4 MiB lost pipelining). docs/collective.md.
+#: pyzmq's zero-copy release), and on a small machine the ring is CPU-bound, so fewer, larger
+#: pieces won the A/B runs (docs/collective.md, "Figures"); a segment smaller than a piece is one
+#: piece anyway.
 DEFAULT_PIECE_BYTES = 8 << 20
 #: At or below this many bytes sent per member (``nbytes * (N - 1)``), the one-step algorithm.
 DEFAULT_SMALL_BYTES = 256 << 10

@@ -1,29 +1,9 @@
 """Staging a device tensor through a host buffer, piece by piece, overlapped with the ring.
 
-The ring's sends and reductions work on CPU memory (the wire, and the shared-memory transport,
-carry host bytes). For a CUDA tensor, :class:`Ring.all_reduce <hmp.collective.ring.Ring>` runs the
-whole algorithm on a pinned host buffer of the same size and this module moves the bytes:
-
-* **in** (device -> host): every piece is copied by one copier thread, in the order the ring needs
-  them (first the pieces this member sends at step 0, then the segments in the order it receives
-  them). Each piece's future is set as soon as its copy is done, so the first pieces go on the
-  wire while later ones are still being copied (the D2H overlaps the sends), and a reduction
-  into a piece waits only for that piece.
-* **out** (host -> device): a piece is copied back as soon as its final value is in the host
-  buffer (after the last reduce-scatter step for the segment this member reduces, after each
-  all-gather receipt for the others), so the H2D overlaps the all-gather too. The operation
-  returns once every piece is back.
-
-The copier is one thread per ring (a FIFO: pieces in order, ins before the outs queued after
-them). On CUDA the copies run on a side stream that first waits for the caller's current stream
-(the one that produced the gradients), and each ``copy_`` between pageable-or-pinned host memory
-and the device is synchronous for that thread, so a piece's future is set once its bytes have
-landed. The same code runs on CPU tensors when a ring is built with ``stage=True`` (the tests
-use it: there is no GPU here), where the copies are plain memcpys.
-
-The copier never touches the event loop but through ``call_soon_threadsafe``, and never raises
-into it: a failed copy is stored in :attr:`Staging.error` and wakes every waiter (the ring then
-fails the operation).
+The ring's sends and reductions work on host memory, so for a CUDA tensor the ring runs on a pinned
+host buffer and one copier thread per ring moves each piece device-to-host in the order the ring
+needs it and back as soon as its final value is there, so the copies overlap the ring's steps.
+docs/collective.md, "CUDA tensors: staging", has the order and the threading rules.
 """
 
 from __future__ import annotations

@@ -2,13 +2,8 @@
 
 The one place config is read. Every error names the file, the key and what was expected
 (:class:`~hmp.errors.ConfigError`). Environment overrides are read in :func:`env_overrides` only
-and listed in docs/config.md.
-
-Types and ranges are checked by hand, not by pydantic (evaluated for issue 10): the checks here are
-a few dozen lines, pydantic would move the ranges into ``Field`` constraints but need a table that
-turns its error types and locations back into our file/key/expected wording, the cross-field checks
-(roles, addresses, policy vs consistency) would stay as they are, and importing pydantic and building
-the models costs every daemon 0.1-0.5 s at start against ~1 ms for loading a whole file here.
+and listed in docs/config.md. Types and ranges are checked by hand, not by pydantic, for the
+reasons in docs/architecture.md, "Libraries used, and hand-written code kept".
 """
 
 from __future__ import annotations
@@ -171,8 +166,7 @@ class CollectiveConfig:
     bucket_bytes: int = _field(25 << 20, "allreduce: gradients are summed in buckets of about this many bytes, in "
                                          "reverse parameter order, each as soon as backward has produced it")
     piece_bytes: int = _field(8 << 20, "allreduce: a bucket travels the ring in pieces of at most this many bytes "
-                                       "(pipelining granularity; each piece costs CPU of its own: bench/allreduce.py "
-                                       "ran 4 workers x 128 MiB 25% slower with 2 MiB)")
+                                       "(pipelining granularity; each piece costs CPU of its own: docs/collective.md)")
     small_bytes: int = _field(256 << 10, "allreduce: buckets whose bytes times (workers - 1) are at most this use "
                                          "the one-step algorithm (every worker sends to every other) instead of the "
                                          "ring")

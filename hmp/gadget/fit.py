@@ -1,26 +1,10 @@
 """Fit the cost model's constants to the measured Pollux step times (data/throughput, Apache-2.0).
 
-Each row of ``<model>/placements.csv`` is one measured synchronous iteration (``step_time``) of a ring of
-``sum(digits)`` GPUs over ``len(digits)`` nodes at per-GPU batch ``local_bsz`` (data/throughput/README.md).
-The fitted model is the cost model of :mod:`hmp.gadget.model`, with compute linear in the local batch::
-
-    step_time = c0[m] + c1[m] * local_bsz                                  (compute)
-              + 2 (w - 1) / w * G[m] / bottleneck                          (ring transfer)
-              + 2 (w - 1) * hop_latency_s                                  (ring latency)
-    bottleneck = link_bytes_s            if the ring spans >= 2 nodes (and intra >= link)
-                 rho * link_bytes_s      if it stays on one node (intra-host hops only)
-
-``link_bytes_s`` is fixed to the testbed's 50 Gbit/s (6.25e9 B/s, g4dn.12xlarge: see the README's
-caveat). Unknowns: per model c0, c1 >= 0 and the *effective* gradient bytes G (the bytes a fully exposed
-ring would move to account for the measured time: the traces time only the non-overlapped part of the
-all-reduce, so G is below the true gradient size and is not a parameter count); shared: hop latency and
-rho = intra-host / link bandwidth. For fixed rho the model is linear: one non-negative least-squares
-solve on relative error over all rows of all models; rho is chosen on a log grid. The jobs' model types
-use the fitted constants at a reference local batch (the median of the measured grid).
-
-``scalability.csv`` (6-16 nodes, up to 64 GPUs, spread over nodes not recorded) is *not* used to fit; it is
-an out-of-sample check: in this model a multi-node ring's time depends only on its GPU count, so the
-unrecorded spread does not matter.
+The simulator's cost model (:mod:`hmp.gadget.model`) needs per-model compute and gradient sizes and
+shared link constants that match real rings; this fits them by non-negative least squares to the
+measured step times of ``<model>/placements.csv`` and keeps ``scalability.csv`` as an
+out-of-sample check. The model fitted and the caveats are in docs/gadget.md, "Fit to the measured
+Pollux step times".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Jobs for the simulator: utility functions, the trace reader and the trace -> job conversion.
 
-Utilities (each non-increasing in the completion time ``t``, seconds after submission, and >= 0):
-
-* :class:`LinearDecay`: ``value * max(0, 1 - t / zero_at_s)``.
-* :class:`SigmoidDeadline`: ``value / (1 + exp((t - deadline_s) / width_s))``: about ``value`` well before
-  the deadline, ``value / 2`` at it, about 0 well after.
-* :class:`ConvergenceStop`: the job is stopped when its model converges instead of training on to the
-  user's fixed budget. Its work is the samples *to convergence* (a fraction ``converge_fraction`` of the
-  trace's work); it earns ``value`` if it completes by ``converge_s`` (when it would converge started at
-  once at its requested size) and then loses value linearly, reaching 0 ``grace_s`` later:
-  ``value * clip(1 - (t - converge_s) / grace_s, 0, 1)``. Training on to the full budget would finish
-  at the trace's duration at the earliest, past ``converge_s``, hence earn less: the utility rewards
-  stopping at convergence and the freed slots go to other jobs.
-
-Trace -> jobs (:func:`jobs_from_trace`): each trace job keeps its id, submit time and GPU count
-(``requested_workers``); its model type and utility kind are drawn with a seeded RNG (**synthetic**: the
-trace has neither); its work in samples is ``duration_s`` times the throughput the cost model gives its
-model on ``num_gpus`` workers placed compactly on the empty cluster, so run as recorded it takes exactly
-the recorded duration.
+The utilities (:class:`LinearDecay`, :class:`SigmoidDeadline`, :class:`ConvergenceStop`) say what a
+job is worth when it completes, and :func:`jobs_from_trace` turns a trace's jobs into simulator jobs
+whose work, run as recorded, takes the recorded duration (model types and utilities are drawn,
+seeded: the trace has neither). Formulas: docs/gadget.md, "Jobs and utilities".
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
 """The cluster and cost model: a ring-all-reduce job's seconds per iteration as a function of its placement.
 
-The model (docs/gadget.md, "Cost model"), for a ring of ``w`` workers of model type ``m`` placed with
-``placement[h]`` workers on host ``h``::
-
-    iteration_s = compute_s(m) + transfer_s + latency_s
-    transfer_s  = 2 (w - 1) / w * grad_bytes(m) / bottleneck_bytes_s
-    latency_s   = 2 (w - 1) * hop_latency_s
-    bottleneck_bytes_s = min over the ring's hops of the hop's bandwidth:
-        a hop inside a host:            intra_host_bytes_s
-        a hop from host a to host b:    min(share(a), share(b)),
-        share(h) = link_efficiency * link_bytes_s(h) / (rings crossing h's link, this one included)
-
-A ring spanning k >= 2 hosts is embedded with each host's workers contiguous, so it crosses each spanned
-host's link once in each direction (hosts hang off one switch: ``interface.ClusterSpec``). One worker: no
-communication. The 2(w-1)/w factor is the bandwidth-optimal ring all-reduce (reduce-scatter then
-all-gather, each worker sends 2(w-1)/w of the gradient); 2(w-1) is its number of sequential steps.
-Intra-host bandwidth is not shared between rings (each ring's hops use their own GPU pairs).
-
-Two optional terms (both off by default, so that a cluster without them is timed as above):
-
-* *Shared compute* (``HostSpec.pool`` / ``ClusterSpec.pool_cores``): the hosts of a pool share its cores
-  (emulated hosts on one machine). A ring's compute is stretched by its most loaded pool's
-  ``max(1, demand / (core_efficiency * cores))``, ``demand`` = the CPU demand of every running ring (this
-  one included) on that pool's hosts: each worker counts its ring's *CPU share* ``u = compute_s /
-  iteration_s`` of the ring alone (no other ring, no stretch), the fraction of an iteration it computes
-  (1 for a single worker; small for a ring that waits on links)::
-
-      compute_s = compute_s(m) * max over the pools p the ring uses of max(1, demand(p) / (core_efficiency * cores(p)))
-      demand(p) = sum over the rings r on p's hosts of u(r) * (r's workers on p's hosts)
-
-* *Link sharing* (``NetworkConstants.link_sharing`` = beta, default 1): rings crossing one link do not all
-  send all the time, so a ring sharing a link with n - 1 others gets
-  ``share(h) = link_efficiency * link_bytes_s(h) / (1 + beta (n - 1))``; beta = 1 is the fair share bw/n.
-
-``calibrate`` fits the constants (per-model compute, intra-host bandwidth, link efficiency, hop latency) to
-measured ``(placement, iteration_s)`` samples by non-negative least squares on relative error (or least
-absolute relative error, ``robust=True``), and ``core_efficiency`` and ``link_sharing`` by a grid search
-around that solve.
+The scheduler simulations need to time a placement without running it: the model charges compute,
+the ring's transfer at its bottleneck hop (a host's link shared by the rings crossing it) and the
+per-hop latency, optionally with shared compute pools and partial link sharing. ``calibrate`` fits
+its constants to measured ``(placement, iteration_s)`` samples. The formulas and the fit are in
+docs/gadget.md, "Cost model".
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """GADGET and the baselines, all behind ``interface.Scheduler``; ``make_scheduler(name)`` builds one.
 
-Every scheduler is non-preemptive: it only starts pending jobs, on the free slots (interface docstring).
-
-* ``gadget``: our reading of GADGET (docs/gadget.md). Each call solves one *round*: choose, for the
-  pending jobs, worker counts and embeddings maximising the round objective :func:`round_value` (the
-  predicted utility of the jobs started now, minus what running rings lose by sharing links with them).
-  Worker counts come from a multiple-choice-knapsack greedy (upgrades on each job's upper convex hull in
-  decreasing utility-per-slot, then the best single job if that is worth more: a 1/2-approximation of the
-  round optimum when embeddings do not change values, proved in docs/gadget.md); rings are embedded on
-  one host when one fits (best fit), else on the fewest hosts / least-loaded links.
-* ``fifo``: submit order, requested size, stops at the first job that does not fit (no backfill).
-* ``first_fit``: submit order, requested size, starts every job that fits (backfill); lowest hosts first.
-* ``random``: a seeded random order of the pending jobs, requested size, random hosts.
-* ``tiresias``: Tiresias' discretised priority queues (2D least attained service), non-preemptive
-  adaptation: a pending job has attained no service, so its queue is set by the 2D service *rate* it
-  would attain (its requested workers: thresholds 1, 4, 16 -> queues 0..3); FIFO within a queue,
-  backfill, consolidated placement (one host when possible), as Tiresias places jobs.
-* ``optimal``: the exact round optimum of :func:`round_value` by exhaustive search over every pending
-  job's worker count and placement; raises :class:`InstanceTooLarge` past ``max_leaves`` placements.
+Every scheduler is non-preemptive: it only starts pending jobs, on the free slots. ``gadget`` (our
+reading of GADGET) solves each round with a knapsack greedy over worker counts and embeds rings on
+the fewest hosts; ``fifo``, ``first_fit``, ``random`` and ``tiresias`` are the baselines, and
+``optimal`` the exact round optimum for small instances. Their rules and GADGET's guarantee are in
+docs/gadget.md, "Schedulers".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Event-driven simulator: replays jobs through any ``interface.Scheduler`` on a cost model.
 
-Events are arrivals and completions. At each event time the simulator first retires the rings that
-finish, admits the arrivals, then (if some job waits and some slot is free) calls the scheduler once with
-a :class:`~hmp.gadget.interface.ClusterView`, validates every decision (known pending job, placement
-shape, fits the free slots, worker bounds) and starts the chosen rings. A ring's speed follows the cost
-model with the rings running beside it: when a ring that crosses host links starts or ends, the rings
-sharing those links are re-timed (their progress so far is banked at the old speed).
-
-Bookkeeping, checked as it goes (``ScheduleViolation`` / ``AssertionError`` on a breach): free slots per
-host never negative and equal to the slots minus the running placements; each job's samples done,
-integrated over its speed segments, equal its work at completion (work conserved); a job starts once.
+At each arrival or completion it retires finished rings, admits arrivals, asks the scheduler for
+decisions, validates them and starts the chosen rings, re-timing the rings that share links with a
+ring that starts or ends. It checks its bookkeeping as it goes (free slots, work conserved, one
+start per job). See docs/gadget.md, "Simulator".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Horizontally fused training arrays (HFTA, Wang et al., MLSys 2021).
 
-B copies of one model, each with its own hyper-parameters, trained as one wider model whose
-every operator handles all B members at once (fewer, larger kernels). Member b's results are
-those of training it alone, up to float32 rounding. See docs/hfta.md.
-
-Arrangements: ``DENSE`` ``[B, N, F]`` (Linear, Embedding, LayerNorm) and ``IMAGE``
-``[N, B, C, *spatial]`` (convolutions, BatchNorm2d, pools); see ``arrangement``.
-
-- operators: ``FusedLinear``, ``FusedConv1d``/``2d``, ``FusedBatchNorm1d``/``2d``,
-  ``FusedLayerNorm``, ``FusedEmbedding``, ``FusedFieldEmbedding``, ``FusedElementwise``
-  (activations, Dropout), ``FusedChannelwise`` (pools, Dropout1d/2d), ``FusedFlatten``,
-  ``FusedSoftmax``
-- losses: ``fused_cross_entropy``, ``fused_mse_loss`` (``[B]``: back-propagate their sum)
-- optimizers: ``FusedSGD``, ``FusedAdam``, ``FusedAdamW``; schedulers ``FusedStepLR``,
-  ``FusedCosineAnnealingLR``
-- converter: ``fuse(factory, B)``, ``fuse_models(models)``, ``FUSED_OPS``; members in and out
-  with ``load_member(b, module)`` / ``export_member(b)``
-- ``FusedArray``: the sweep-worker facade
+B copies of one model, each with its own hyper-parameters, trained as one wider model whose every
+operator handles all B members at once (fewer, larger kernels); member b's results are those of
+training it alone, up to float32 rounding. This package holds the fused operators, losses,
+optimizers and schedulers, the converter (``fuse``) and ``FusedArray``, the sweep worker's facade.
+See docs/hfta.md.
 """
 
 from .array import FusedArray

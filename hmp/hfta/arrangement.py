@@ -1,15 +1,9 @@
 """Where the model dimension B sits in a fused tensor, and moving between member and fused views.
 
-Two arrangements, chosen so that each fused operator needs no copy to reach its batched kernel:
-
-``DENSE``  ``[B, N, *features]``: member-major. Linear is one ``baddbmm`` over the leading B,
-           LayerNorm/Embedding/activations act on it as is. Output of a fused MLP.
-``IMAGE``  ``[N, B, C, *spatial]``: batch-major. Reshaping to ``[N, B*C, *spatial]`` is free, and a
-           convolution over B groups (or a pool, or a per-channel BatchNorm) then treats the
-           B members' channels as independent channels.
-
-``nn.Flatten`` is the one operator that changes arrangement (``IMAGE`` in, ``DENSE`` out), as in a CNN
-whose convolutional trunk feeds a Linear head.
+Two arrangements, chosen so that each fused operator reaches its batched kernel without a copy:
+``DENSE`` ``[B, N, *features]`` (Linear, LayerNorm, Embedding, activations) and ``IMAGE``
+``[N, B, C, *spatial]`` (convolutions, pools, BatchNorm over B*C channels); ``nn.Flatten`` is the
+one operator that changes arrangement. See docs/hfta.md, "Arrangements".
 """
 
 from __future__ import annotations

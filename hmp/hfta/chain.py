@@ -1,20 +1,11 @@
 """A run of fused Linear layers and activations as one autograd node with a hand-written backward.
 
-``FusedSequential`` computes a run like ``Linear, ReLU, Linear, ReLU, Linear`` features-first
-(``[B, F, N]``). Through autograd that is one node per op (``BaddbmmBackward``,
-``ReluBackward``, ...), and each node's backward picks its own operand memory layouts: for a small
-MLP the autograd bookkeeping and the transposed-operand copies cost more than the batched
-matmuls themselves (measured at B=8 on the digits MLP: 650 us for forward + backward through
-autograd, 190 us for the same products by hand). ``linear_chain`` runs the whole run as one
-``torch.autograd.Function``: the forward is the same ``baddbmm`` and in-place activation
-calls, and the backward does, per layer, exactly two batched matmuls (weight gradient and
-input gradient, the latter skipped for an input that needs none) and one sum (bias).
-
-Only activations whose derivative can be computed from their *output* are supported (then
-the in-place forward keeps no pre-activation copy): ReLU, LeakyReLU with a positive slope,
-Tanh, Sigmoid, Identity, and Dropout when it is the identity (eval mode or ``p = 0``).
-``chain_steps`` returns ``None`` for a run with anything else, and the caller falls back to
-plain autograd. Double backward is not supported (``once_differentiable``).
+Through autograd a small fused MLP pays more for per-op bookkeeping and operand copies than for
+its batched matmuls, so ``linear_chain`` runs a whole ``Linear, ReLU, ...`` run of
+``FusedSequential`` as one ``torch.autograd.Function`` whose backward is two batched matmuls and a
+sum per layer. Only activations whose derivative follows from their output are supported
+(``chain_steps`` returns ``None`` otherwise and the caller falls back to autograd). See
+docs/hfta.md, "The fused MLP's fast path".
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class _FusedConvNd(FusedModule):
         if y.dim() == 4 and y.device.type == "cpu":
             # CPU: keep the B*C_out channels innermost (channels_last). The activations and
             # pools that follow then vectorise over channels; torch's NCHW max pool walks
-            # one small H x W plane per channel and is ~10x slower at these sizes. Values
+            # one small H x W plane per channel and is far slower at these sizes. Values
             # are unchanged, and oneDNN convolutions accept this format as input.
             y = y.contiguous(memory_format=torch.channels_last)
         return y.view(n, self.B, self.out_channels, *y.shape[2:])

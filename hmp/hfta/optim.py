@@ -1,14 +1,9 @@
 """Fused optimizers: one optimizer steps all B members, each with its own hyper-parameters.
 
-Every parameter must have the member dimension first (``[B, *]``, as every fused operator's
-parameters do). A per-member hyper-parameter (``lr``, ``momentum``, ``dampening``,
-``weight_decay``, ``betas``, ``eps``) is given either as one value for all members or as a
-sequence of B values; it is kept in ``param_groups`` as a list of B values, which is what the
-fused LR schedulers edit. Where all members share a value the update uses a plain scalar (the
-same kernels as torch's own optimizer); where they differ, a ``[B, 1, ..., 1]`` tensor.
-
-Member b's update is exactly torch's (``torch.optim.SGD``/``Adam``/``AdamW``, single-tensor
-path) with member b's hyper-parameters, up to float32 rounding.
+Every parameter has the member dimension first (``[B, *]``). A per-member hyper-parameter is one
+value or a sequence of B values, kept in ``param_groups`` as B values for the fused LR schedulers
+to edit; shared values use plain scalars, differing ones a ``[B, 1, ..., 1]`` tensor. Member b's
+update is exactly torch's single-tensor path with its hyper-parameters, up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -170,7 +165,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """``step()`` for a training loop that owns the optimizer: the same update, called
         inside ``torch.no_grad()`` by the caller, without what torch wraps around every
         ``Optimizer.step`` (a profiler range, the step hooks, a grad-mode switch). Those cost
-        ~80 us a call, as much as the SGD update of a small fused MLP itself. Falls back to
+        as much as the SGD update of a small fused MLP itself (docs/hfta.md). Falls back to
         ``step()`` when step hooks are registered, so they still run."""
         if (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_step_hooks()
                 or "step" in self.__dict__  # patched on the instance (a scheduler's step counter, say)

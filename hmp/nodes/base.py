@@ -1,29 +1,9 @@
 """What every daemon shares: its server, its link to the scheduler, heartbeats, graceful stop.
 
-A node runs in one ``asyncio.TaskGroup``: the role's ``main()`` and its background tasks.
-
-* ``self.spawn(coro, name="reports")`` (call it from ``main()`` or anything it runs) starts a
-  background task in the node's group and returns it. If the task raises, the node fails at
-  once: the exception is logged with its traceback (``task_failed``), ``failed`` is set, and
-  ``main()`` and every other background task are cancelled (their ``finally`` blocks run), then
-  the sockets close and the process exits 1. A task that returns or is cancelled ends quietly;
-  whatever still runs when ``main()`` returns is cancelled. ``start_heartbeat()`` spawns the
-  heartbeat loop; ``leave()`` stops it before telling the scheduler.
-* ``fail(why)`` (from any task) marks the node failed and cancels ``main()`` unless ``main()``
-  itself is the caller; a heartbeat loop that loses the scheduler fails the node this way.
-* ``await self.in_thread(fn, *args)`` runs blocking work (forward/backward, evaluation, model
-  building, anything that may outlast a heartbeat interval) on the node's compute thread, one
-  call at a time, so the event loop keeps answering heartbeats and requests. A caller cancelled
-  meanwhile waits for the call to end first: the loop never writes what the thread is reading.
-
-With ``[metrics] enabled`` the node counts its traffic (``EndpointSettings.metrics``) and serves its metrics over
-HTTP from just after its server binds until after it closes (:class:`hmp.metrics.MetricsEndpoint`,
-docs/metrics.md); the heartbeat loop keeps its round trips in ``heartbeat_rtt`` either way.
-
-SIGTERM/SIGINT set ``stopping``; ``main()`` is expected to notice, finish or refuse in-flight work,
-and return. The server then closes (in-flight handlers get a grace period) and the process exits
-0, or 1 if the node failed. Nothing here sets torch's thread count: ``hmp.nodes.main`` does, once
-per process, before any thread starts.
+A node runs its role's ``main()`` and background tasks in one ``asyncio.TaskGroup``: a failing task
+fails the node, blocking work runs on a compute thread (``in_thread``) so heartbeats go on, and
+SIGTERM/SIGINT set ``stopping`` for ``main()`` to finish. The rules are in docs/architecture.md,
+"Life of a job".
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """The scheduler's placement loop: profile, plan, staff the stages, re-plan on membership changes.
 
-At job start the loop waits until every worker has joined (or ``join_wait_s`` after the first),
-profiles the model layer by layer and builds the placement problem from ``[placement]`` with the
-planner's own profiler (``registry.problem_from_config``, in a thread: the scheduler keeps
-answering heartbeats), plans with the configured planner and
-tells every live worker its stage (``stage_assign``; workers the plan leaves out are on standby).
-Whenever a worker joins late, leaves or is lost, it plans again with ``registry.replan`` (which
-keeps the running assignment unless the new one is cheaper by ``min_gain``), staffs the stages
-with the workers now live and tells them; they abort the step in flight and continue from the
-step the loop names. Every plan, with its predicted and measured per-stage throughput, goes into
-the run report's ``pipeline`` section.
-
-Predictions come from the runtime model (:mod:`hmp.placement.calibration`: micro-batch fill/drain,
-messages, the per-step PS sync, the cores every daemon shares), first with its default costs and
-the profile at the micro-batch size; once every worker of a plan has reported
-``MIN_CALIBRATION_STEPS`` steps over ``MIN_CALIBRATION_S`` since its first report under the plan,
-the loop calibrates the model on them (the real workers' compute,
-messages and sync) and records the calibrated prediction next to the first. Later plans are
-predicted with the calibrated costs. With ``[placement] calibrate = "replan"`` (default
-``"predict"``) the calibrated problem is also re-planned (``replan`` with ``min_gain``).
-
-Its interface to the scheduler is explicit: it reads membership (states, addresses) and the run's
-clock from the scheduler's core (:class:`~hmp.scheduler.core.SchedulerCore`), hears of workers
-coming and going through :meth:`PlacementLoop.on_membership` (the core's ``roster`` events) and of
-their progress through :meth:`PlacementLoop.on_report`, fails the job with ``core.fail``, and sends
-stage assignments with the ``send`` coroutine the shell gives it.
+It profiles the model once the workers have joined, plans with the configured planner, tells every
+worker its stage (``stage_assign``), and re-plans whenever a worker joins, leaves or is lost;
+predictions come from the runtime model (:mod:`hmp.placement.calibration`), calibrated on the
+running plan. It talks to the scheduler only through the core's membership and clock, its
+``on_membership``/``on_report`` hooks, ``core.fail`` and a ``send`` coroutine. See
+docs/pipeline.md and docs/placement.md, "Runtime model and calibration".
 """
 
 from __future__ import annotations

@@ -1,47 +1,10 @@
 """The worker daemon of an allreduce job (``[train] consistency = "allreduce"``): no PS, a ring.
 
-Every worker holds a full replica of the model in flat buffers (:mod:`hmp.flat`) and runs the
-same optimizer on it (the PS's chunk optimizers, over each whole flat buffer). Per step:
-
-1. forward and backward on this worker's part of the global batch, on the compute thread. As
-   backward produces a bucket of gradients (:class:`~hmp.collective.buckets.GradientBuckets`,
-   reverse parameter order), its hook hands the bucket to the event loop, which starts its
-   all-reduce at once: communication overlaps the rest of the backward pass;
-2. meanwhile a small all-reduce carries the step's *control* values: stop votes, loss, samples;
-3. once every bucket is summed, the gradient is the global batch's mean (each worker scaled its
-   loss by its share of the global batch), and the optimizer steps, on the compute thread.
-
-The sums are bit-identical on every member (:mod:`hmp.collective.ring`), so the replicas stay
-bit-identical. Stopping is agreed: a worker asked to stop (the scheduler's report reply, a
-signal, the epochs used up) votes in a step's control all-reduce, and every member stops after
-that same step.
-
-A worker that joins a running job (restarted by the launcher, or back after it left) is welcomed
-into a new ring generation that includes it; the members get a ``ring_assign`` as below, and the
-joiner resyncs with them before its first step, taking the most advanced member's state.
-
-A lost member: the scheduler re-forms the ring from the survivors and sends each a
-``ring_assign``; the step in flight fails (``RingBroken``: the abort, or the collective timeout
-``[collective] timeout_s``) and is dropped. The survivors then *resync* over the new ring: they
-sum a vector of their completed steps; when they differ (a member that died mid-step may have let
-some of them finish that step and not others), the lowest-ranked member with the most steps
-sends its parameters, optimizer state and data position to the others (an all-reduce in which
-the others contribute zeros), and everyone continues from that step.
-
-A member that hangs (SIGSTOP, a stuck host) is lost like a dead one: its silence, not the
-collective timeout, decides, so the survivors leave the step they were blocked in as soon as
-the ``ring_assign`` arrives (within 3 heartbeat intervals). If it wakes up, its step fails on
-the survivors' ``stale_ring`` replies and the scheduler refuses its heartbeat: it stops, exit 0,
-without a final report or evaluation (its replica is not the ring's any more); to take part
-again it must be restarted (``[job] restarts``) and join anew.
-
-Data: each epoch's example order is the same on every worker (``ShuffledBatches`` with the data
-seed); a step takes the next ``members x batch_size`` examples of it and member ``r`` trains on
-the ``r``-th slice; the rest of an epoch shorter than a global batch is skipped (as DDP's
-``drop_last``). After a re-formed ring the same cursor goes on with the new member count. So every
-member may train on any row and loads the whole training split; only rank 0 evaluates, and loads the
-test set (before joining: the first ring is the config's workers in order; or when a re-formed ring
-makes another member rank 0).
+Every worker holds a full replica of the model in flat buffers (:mod:`hmp.flat`), all-reduces its
+gradient buckets over the ring while backward runs, and steps the same optimizer, so the replicas
+stay bit-identical. Stopping is agreed in each step's control all-reduce; a lost or joining member
+gets a new ring generation and the members resync. The step, membership changes and the data
+order are described in docs/collective.md.
 """
 
 from __future__ import annotations

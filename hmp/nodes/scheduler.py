@@ -1,28 +1,10 @@
 """The scheduler daemon: the asyncio shell around :class:`hmp.scheduler.core.SchedulerCore`.
 
-Each handler decodes a request, calls the core's method of the same name with the clock, and
-turns the decision into the reply; the events the call produced are logged, forwarded to the
-placement loop (pipeline jobs) and set the shell's asyncio events (:meth:`_dispatch_events`).
-The monitor, a background task, ticks the core every tenth of a heartbeat interval (liveness, join
-deadline); the placement loop (pipeline jobs) is another. When every worker has finished, the
-shell evaluates the final parameters (pulled from the shards), writes them as the job's model
-(``model.pt``, :mod:`hmp.export`), writes the run report and lets every node hear ``shutdown``
-through its heartbeat. A target stop rule of a PS job is confirmed on the shards' parameters
-first (:mod:`hmp.train.stop_rule`): the values that met it are the job's result, the report's
-``final`` and ``model.pt`` (``final.parameters = "at_stop"``; else ``"end"``, the values once every
-worker has finished). A lost shard, or losing more workers than
-``[train] min_workers`` allows (see the core's rules), fails the job: every node is told to shut
-down and the scheduler exits non-zero. A worker that is gone while the job runs is dropped: every
-PS shard hears ``drop`` (:meth:`tell_shards_drop`) so that its sync rounds and SSP bounds stop
-waiting for it (docs/architecture.md, "Elastic workers"). With ``[ps] replicas = 2`` a lost shard's
-chunk groups fail over: every live shard hears ``replicas`` first, then every worker ``shards``
-(:meth:`tell_replicas`; docs/resilience.md).
-
-Resuming (docs/resilience.md, "What --resume continues"): the scheduler saves its state (the core's
-``state_dict``: work cursor, workers' counters, the report so far) as ``scheduler.json`` next to the
-shards' checkpoints, every ``STATE_EVERY_S`` seconds and when the job ends however it ends (written off
-the event loop, atomically). Started with ``resume``, it continues from that file: the epochs go on
-where they were, and the report is appended to and says it was resumed.
+Its handlers pass each request and the clock to the core and turn the decisions into replies and
+messages (to workers, shards and the placement loop); a monitor task ticks the core. When the
+workers have finished it evaluates the final parameters, writes ``model.pt`` and the run report,
+and shuts the job down; it saves its state for ``--resume``. The rules are in docs/architecture.md
+and docs/resilience.md.
 """
 
 from __future__ import annotations

@@ -1,48 +1,11 @@
 """The worker daemon of a ``[placement]`` job: runs whatever pipeline stage the scheduler assigns.
 
-A worker joins like any other (holding the test set only), then waits for a ``stage_assign``; the
-first time it is assigned stage 0, the one stage that reads examples, it loads the training split.
-It pulls its stage's parameters from the PS shards and runs the micro-batch schedule of
-``hmp/pipeline/schedule.py``: stage 0 reads examples and sends activations forward, the last
-stage computes the loss and sends gradients back, each stage pushes its own chunks' gradients
-to the shards at the end of every step. A later ``stage_assign`` (a re-plan after a worker joined
-or left) aborts the step in flight, and the worker continues with its new layers from the step
-the scheduler names.
-
-With ``[placement] overlap_push`` (the default) the push is not awaited at the end of the step:
-the next step starts at once while the shards apply it (docs/pipeline.md, "A step"). Its reply
-is held until a point where no micro-batch's graph is saved (a forward with nothing saved, or
-the next drain) and written into the parameters there, so the next step may run on parameters
-one update old (staleness <= 1, as in async training). A push sends the gradient buffer's own
-memory (zero-copy), so the next step accumulates into a second buffer; a drain switches back to
-a buffer only once that buffer's push has been answered (which implies the shards received it),
-and writes its values then at the latest.
-
-One engine task handles every event in arrival order (assignments, activations, gradients), so
-writing a push's reply (which rewrites the stage's parameters in place) never overlaps a forward
-or backward that saved them. Messages of a newer plan or a later step wait in ``held`` until the
-worker is there; messages of an older plan or step are dropped.
-
-The engine's forward and backward passes, the evaluation and the model building run off the event
-loop (``Node.in_thread`` and a thread of their own for the evaluation's replica), so the loop keeps
-heartbeating however long a micro-batch takes. The engine awaits each pass before it handles the
-next event, so the loop and the compute thread never touch the stage's parameters at once.
-
-Backpressure: activations and gradients wait in the engine's queue; once ``4 * [placement]
-micro_batches`` of them are queued (more than a schedule can legitimately have in flight for one
-worker: its micro-batches' activations and gradients, of this step and of the next), the handler
-of the next one waits until the engine has taken one.
-
-Every wait on a peer gives way (docs/pipeline.md, "Faults"): the engine's wait for activations or
-gradients ends with a stop (SIGTERM, the scheduler's shutdown or stop) or a new plan (the
-scheduler re-plans when a neighbour is lost); a send to a neighbour that stopped reading (its
-queue full) is abandoned on a stop or a new plan; the waits for the shards' replies (a push, a
-pull) end at once on a stop, and the last push gets :data:`LAST_PUSH_GRACE_S` to land before
-the worker leaves. The scheduler's ``shards`` message is handled as by the other workers
-(:mod:`hmp.nodes.worker`, docs/protocol.md, "Shard restarts"): while a shard is down the pulls
-and pushes to it wait; when it is back (at a new address after a restart) the requests in
-flight are sent again, each push with the same ``seq`` so that a shard that applied it already
-does not apply it twice.
+It waits for a ``stage_assign``, pulls its stage's parameters from the PS shards and runs the
+micro-batch schedule of :mod:`hmp.pipeline.schedule`, pushing its chunks' gradients every step; a
+later assignment (a re-plan) aborts the step in flight and continues with the new layers. One
+engine task handles every event in arrival order, so a push's reply never rewrites parameters a
+forward or backward saved. The step, the overlapped push, held messages, backpressure and faults
+are described in docs/pipeline.md.
 """
 
 from __future__ import annotations

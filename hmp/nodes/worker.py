@@ -1,40 +1,10 @@
 """CPU and GPU worker daemons: one training loop, differing in device, batch size and threads.
 
-Per step: take a batch of this worker's data shard, forward and backward (gradients land in the flat
-gradient buffer), push to the shards, and continue with the new values their replies carry.
-Every ``report_interval_s`` the worker reports progress to the scheduler and gets its batch size
-(and whether to stop) back. Worker 0 also measures test accuracy every ``eval_every_s``.
-
-Forward/backward, evaluation and building the model run on the node's compute thread
-(``Node.in_thread``), so a step or an evaluation that outlasts several heartbeat intervals does
-not silence the node: the event loop keeps heartbeating meanwhile. The loop and the compute
-thread take turns on the model (every call is awaited before the next step touches it).
-
-Every request that can block on a peer (a push to a frozen or dead shard, a sync round or SSP
-bound that waits on other workers, a report or a work request to a dead scheduler) is raced
-against ``stopping`` (:meth:`~hmp.nodes.worker_base.WorkerBase.unless_stopped`): SIGTERM or the
-scheduler's stop ends it at once instead of after the request timeout, and the goodbyes that
-follow are bounded by a short timeout.
-
-Shard restarts (docs/protocol.md, "Shard restarts"): the scheduler's ``shards`` message says a
-shard is down or back (at a new address when it was restarted). A push in flight is then
-abandoned, and once no shard is down it is sent again with the same ``seq``: a shard that had
-applied it answers with its current values without applying it twice. Pushes number from the
-worker's start time in microseconds, so a restarted worker's pushes are new to every shard. With
-replicated shards (``[ps] replicas = 2``) the same ``shards`` message maps a lost shard's id to the
-address of the shard that took its chunks over, and the pushes in flight are re-sent there the same way.
-
-Row-sparse tables (a model with an ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True``;
-docs/protocol.md, "Row-sparse tables"): each push sends the rows of the table gradients and asks for
-the rows the next batch reads (``model.rows_touched(next batch)``, computed with the step); the reply
-carries them and they are written into the local table before the next step. A model without
-``rows_touched`` pulls its tables whole after each push instead. Worker 0 pulls the rows the test set
-reads before it evaluates (its local table holds fresh values only in the rows its batches read).
-
-A resumed job (``--resume``, docs/resilience.md): the welcome's ``resume`` holds this worker's counters
-as the previous part left them (samples, updates, epoch), which go on from there, and ``start_epoch``
-the epoch its static data share starts from (first-come-first-served work comes from the scheduler's
-cursor, which goes on by itself).
+Per step a worker takes a batch of its data shard, runs forward and backward on the compute thread
+(so the event loop keeps heartbeating), pushes the flat gradients to the shards and continues with
+the values their replies carry; it reports progress to the scheduler, which answers with its batch
+size and whether to stop. Shard restarts, row-sparse tables and resumed jobs are handled as
+docs/protocol.md ("Shard restarts", "Row-sparse tables") and docs/resilience.md describe.
 """
 
 from __future__ import annotations
@@ -81,7 +51,7 @@ class WorkerNode(ShardFollower, WorkerBase):
     def __init__(self, cfg: Config, node_id: str) -> None:
         super().__init__(cfg, node_id)
         self.init_shard_view()  # the PS shards as the scheduler last said (hmp.nodes.shard_follower)
-        self.push_seq = time.time_ns() // 1000  # see the module docstring: new to every shard after a restart
+        self.push_seq = time.time_ns() // 1000  # new to every shard after a restart (docs/protocol.md)
         self.push_retries = 0
         self.ps: PSClient | None = None  # once admitted
         self.start_epoch = 0  # --resume: the first epoch of a static data share

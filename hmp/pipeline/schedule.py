@@ -1,14 +1,10 @@
 """The micro-batch schedule (GPipe-style fill and drain per step), identical on every worker.
 
-Step ``s`` trains on ``batch_size`` examples cut into ``micro_batches`` equal micro-batches.
-Stage 0 sends all of its micro-batches forward back to back (fill) so that the stages work on
-different micro-batches at once; each micro-batch's gradients flow back as soon as the last stage
-has its loss; a stage pushes its gradients to the PS once every micro-batch of the step it handles
-has gone backward (drain), then the next step starts. Micro-batch ``m`` of a stage with ``k``
-workers is handled by worker ``m % k`` (data parallel within the stage).
-
-Which examples make up a micro-batch is a pure function of (step, micro-batch), so no example
-ids need to travel: epoch ``e``'s shuffled order is :meth:`hmp.data.ShuffledBatches.order` ``(e)``.
+Each step's batch is cut into ``micro_batches`` micro-batches that stage 0 sends forward back to
+back so the stages work on different ones at once; a stage pushes to the PS once all of its
+micro-batches have gone backward; micro-batch ``m`` of a stage with ``k`` workers goes to worker
+``m % k``. Which examples make up a micro-batch is a pure function of (step, micro-batch), so no
+example ids travel. See docs/pipeline.md, "A step".
 """
 
 from __future__ import annotations

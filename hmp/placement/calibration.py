@@ -1,50 +1,11 @@
 """The runtime model: what a staffed plan sustains on the running system, and its calibration.
 
-The planner's cost model (:mod:`hmp.placement.cost_model`) sizes stages from per-layer compute
-and boundary transfers alone. What a pipeline really sustains here also depends on what that
-model leaves out (docs/placement.md, "Runtime model and calibration"):
-
-* **micro-batch fill/drain**: a step is ``m`` micro-batches; every stage waits, once per step, for
-  one micro-batch to pass through the other stages (GPipe's per-step flush), and a stage's
-  compute per micro-batch is measured at the micro-batch size (small batches compute less
-  efficiently than ``1/m`` of a batch);
-* **messages as measured**: every activation and gradient message costs its sender and its
-  receiver ``message_s`` of CPU (encode, send, receive, decode, dispatch);
-* **the per-step PS sync**: each stage worker pushes its stage's gradients and writes back the new
-  values once per step (``sync_s_per_byte`` per parameter byte plus ``step_s`` of fixed
-  per-step work), and the shards spend ``ps_s_per_byte`` applying each pushed byte;
-* **CPU sharing**: every daemon of the job runs on ``cores`` shared cores, so a step takes at least
-  the job's total CPU work per step divided by the cores.
-
-For stages ``k = 0..S-1`` with ``w_k`` workers, ``m`` micro-batches of a batch of ``B`` samples:
-
-* ``n_k = ceil(m / w_k)`` micro-batches per worker per step;
-* ``h_k = 2 * ([k > 0] + [k < S - 1])`` messages a worker handles per micro-batch (activations in
-  and out, gradients in and out);
-* one micro-batch on a worker: ``u_k = c_k + h_k * message_s`` (``c_k``: the stage's forward +
-  backward of one micro-batch on one worker of its type);
-* a worker's work per step: ``W_k = n_k * u_k + y_k`` with ``y_k = step_s + sync_s_per_byte * P_k``
-  (``P_k``: the stage's parameter bytes);
-* critical path: ``T_path = max_k (W_k + sum_{j != k} u_j + max(0, max_{j < k} y_j - y_k))``: a
-  worker's own work, plus one micro-batch's passage through every other stage (the fill before its
-  first micro-batch and the drain after its last, which the per-step flush does not overlap), plus
-  the part of an upstream stage's sync its own does not hide (an upstream worker pushes after its
-  last backward, before it sends the next step's first activations);
-* CPU bound: ``T_cpu = (sum_k w_k * W_k + ps_s_per_byte * sum_k w_k * P_k) / cores``;
-* step time ``T = max(T_path, T_cpu)``; throughput ``B / T`` (every stage moves ``B`` samples a
-  step, so it is every stage's throughput too).
-
-**Calibration** (:func:`calibrate`) replaces the constants with what the running job measured
-under its first plan: each stage's compute per micro-batch (its workers' busy time: forward +
-backward on the real worker, so a type whose times were scaled from the CPU gets its real speed)
-and its other non-waiting time per step (messages, the push and its write-back, bookkeeping).
-These are wall times on shared cores: they include the slow-down of sharing them. The model's
-own sharing factor for the running plan, ``sigma = T / T_path`` computed on the measured figures,
-turns them into CPU figures (divided by ``sigma``), so that the calibrated model can be applied to
-other plans, whose sharing differs.
-
-Pure: no torch, no sockets; the placement loop (``hmp/nodes/placement_loop.py``) gathers the
-inputs and calls it.
+The planner's cost model (:mod:`hmp.placement.cost_model`) sizes stages from per-layer compute and
+boundary transfers alone; a pipeline here also pays micro-batch fill/drain, per-message CPU, the
+per-step PS sync and the cores every daemon shares. This module predicts a plan's step time with
+those terms and :func:`calibrate` refits them to what the running job measured, so that other
+plans can be predicted on the same system. The formulas and the calibration are in
+docs/placement.md, "Runtime model and calibration". Pure: no torch, no sockets.
 """
 
 from __future__ import annotations
@@ -57,9 +18,8 @@ from dataclasses import dataclass, field, replace
 from hmp.placement.problem import PlacementProblem
 
 #: Worker seconds per parameter byte of a stage's per-step PS sync (encode and send the gradient
-#: chunks, receive the reply, write the new values back), before calibration. Measured here from
-#: the calibrated runs of bench/pipeline.py (docs/placement.md): 4-5 ms per MB pushed on the
-#: loaded 2-core machine.
+#: chunks, receive the reply, write the new values back), before calibration: from the calibrated
+#: runs of bench/pipeline.py (docs/placement.md, "Runtime model and calibration").
 DEFAULT_SYNC_S_PER_BYTE = 4e-9
 #: Fixed worker seconds per step (the drain's bookkeeping: averaging, switching gradient buffers,
 #: stage 0's gather of the micro-batches, dispatching the push's replies), before calibration.
@@ -70,7 +30,8 @@ DEFAULT_PS_S_PER_BYTE = 1.5e-9
 MIN_CALIBRATION_STEPS = 8
 #: ... over at least this many seconds of each worker's wall time, counted from its first report
 #: under the plan (the plan's first moments, pulls and warm-up on a machine still busy with the
-#: other daemons' start, are left out: calibrated on them the MLP pipeline came out 15-55% slow).
+#: other daemons' start, are left out: calibrated on them the model predicted the MLP pipeline
+#: too slow; docs/placement.md).
 MIN_CALIBRATION_S = 1.0
 
 

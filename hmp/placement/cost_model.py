@@ -1,26 +1,11 @@
 """The cost model: the single source of truth for what a placement costs.
 
-Every planner, the gymnasium environment and the reports score assignments here. The formulas
-(docs/placement.md, "Cost model"), for an assignment ``a`` (resource index per layer):
-
-* a *stage* is a maximal run of consecutive layers with the same type ``r``;
-* its compute time per batch on one worker is ``C = sum_i T[i, r]``;
-* its transfer time per batch is ``X = sum over its (one or two) boundaries b of
-  2 * bytes_b / bandwidth + 2 * m * o``: the activations crossing forward and their gradients back,
-  plus a fixed overhead ``o`` (``message_overhead_s``) per message, one each way per micro-batch
-  (``m = messages_per_batch``); the model's input and its loss are not transfers
-  (``PlacementProblem.boundary_s`` holds the per-boundary term);
-* with ``w`` workers its time per batch is ``t(w) = C / w + X``; the constraint is
-  ``batch_size / t(w) >= min_throughput``, i.e. ``t(w) <= tau = batch_size / min_throughput``;
-* it gets the fewest workers that meet it, ``w = max(1, ceil(C / (tau - X)))``; when
-  ``X >= tau`` no worker count suffices (the stage is *transfer-bound*, the plan infeasible);
-* the plan is infeasible too when the workers of one type exceed that type's count;
-* pipeline throughput ``= min over stages of batch_size / t(w)``;
-* cost (dollars) ``= sum over stages of w * price_per_hour * (samples_to_train / throughput) / 3600``.
-
-The core (:func:`score`) is vectorised over a batch of assignments so that brute force and the
-search methods evaluate many plans per call; :func:`evaluate` runs the same core on one assignment
-and packages the result as a :class:`Plan`.
+Every planner, the gymnasium environment and the reports score assignments here: stages are runs
+of layers on one type, each staffed with the fewest workers that meet the required throughput
+(infeasible when transfers alone exceed the budget or a type runs out), and a plan costs its
+workers' price over the training time (docs/placement.md, "Cost model"). :func:`score` is
+vectorised over many assignments so searches evaluate plans in bulk; :func:`evaluate` packages one
+as a :class:`Plan`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """A gymnasium environment over the cost model: place one layer per step.
 
-Episode: ``L`` steps; at step ``i`` the action is the resource index for layer ``i``. The
-observation is layer ``i``'s features followed by the choices so far (``features.py``); after the
-last step it shows the last layer with the final choice counts. The reward is 0 until the last
-step, then ``cost_model.reward``: the negative cost on a log scale relative to the problem's lower
-bound, or ``-(INFEASIBLE_PENALTY + log1p(shortfall))`` when the plan is infeasible. ``info["plan"]`` holds
-the finished :class:`Plan`.
-
-The RL planner rolls out many episodes at once with the same features and reward (it does not step
-this class, for speed); ``tests/test_placement.py`` pins the env's reward to the cost model's.
+Episode: ``L`` steps, the action at step ``i`` the resource index for layer ``i``, the observation
+the features of :mod:`hmp.placement.features`, and the reward ``cost_model.reward`` at the last
+step (0 before). The RL planner rolls out episodes in bulk with the same features and reward rather
+than stepping this class; a test pins the two together. See docs/placement.md, "Environment".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Observation features shared by the gymnasium environment and the RL policy.
 
-An observation for layer ``i`` is ``static[i]`` (what the layer costs where) followed by the
-dynamic part (the choices so far). All values are dimensionless and clipped to ``[-CLIP, CLIP]``;
-``tau = batch_size / min_throughput`` is the seconds per batch a stage may take.
-
-Static, ``[L, 4R + 3]``, for each resource type r:
-  * ``log(T[i, r] / tau) / 5``: the layer's time against the budget;
-  * ``log1p(T[i, r] / (tau * count_r))``: the share of type r's whole pool the layer alone needs;
-  * ``log(c[i, r] / min_r c[i, r]) / 5`` with ``c = T * price``: how much dearer than its cheapest type;
-  * ``log1p(sum_{j >= i} T[j, r] / (tau * count_r))``: the share of r's pool all remaining layers need;
-then ``log1p(boundary_s[i] / tau)`` (the cost of cutting after layer i: bytes and messages),
-``log1p(param_bytes[i]) / 25`` and the position ``i / (L - 1)``.
-
-Dynamic, ``[2R + 2]`` (:class:`PrefixState`): one-hot of the previous layer's type (slot R: none
-yet); per type, the workers the layers so far would need if the plan ended here, over the type's
-count; and the spare capacity, in workers, of the open stage's last worker (``ceil(d) - d`` for
-its fractional demand ``d``), which says whether the next layer fits without another worker.
+An observation for layer ``i`` is ``static[i]`` (what the layer costs where, ``[L, 4R + 3]``)
+followed by the dynamic part (the choices so far, ``[2R + 2]``, :class:`PrefixState`); all values
+are dimensionless and clipped to ``[-CLIP, CLIP]`` so that one policy works across problems of any
+scale. The features are listed in docs/placement.md, "Environment".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The layer profiler: per-layer forward+backward seconds per batch, and boundary tensor sizes.
 
-A model is an ordered list of layers (:func:`split_layers`; every hmp model is an
-``nn.Sequential``). This is the one definition of a layer: the plan's layer indices, the pipeline
-runtime's stage modules (:func:`stage_module`) and its parameter chunks (:func:`param_layers`) all
-come from it. For each type measured on this machine, each layer runs forward and backward
-on its device on the real activations of the previous layer: ``warmup`` untimed passes, then the
-median of ``reps`` timed ones (the median, because a shared machine produces outliers, never
-speed-ups). A layer's ``out_bytes`` is the size of its output batch: what crosses a stage boundary
-cut after it (its gradient, the same size, crosses back).
-
-A type that is not measured here gets either the CPU reference's times divided by its
-``speed_scale`` for the layer's kind plus ``overhead_s`` (scaled figures), or per-layer times from
-the config (measured elsewhere); either way ``ResourceType.measured`` is False and every report
-labels it ``NOT_MEASURED``.
+A model is an ordered list of layers (:func:`split_layers`), the one definition of a layer that the
+plan's indices, the pipeline's stage modules (:func:`stage_module`) and its parameter chunks
+(:func:`param_layers`) share. Each layer is timed on every type measured here (the median of
+``reps`` passes, since a shared machine produces outliers, never speed-ups); other types are scaled
+or taken from the config and labelled ``NOT_MEASURED``. See docs/placement.md, "Profiler".
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """The placement API the runtime calls: profile, plan, re-plan. These signatures are kept stable.
 
-::
-
-    parse_spec(config: Mapping, *, path: str | None = None, counts: Mapping[str, int] | None = None,
-               prefix: str = "placement") -> PlacementSpec
-        Validate a [placement]-like mapping (resources with price_per_hour, count, speed_scale,
-        measured, device, overhead_s, times_s; batch_size, samples, min_throughput,
-        bandwidth_bytes_per_s; optional reps/profile_repeats, warmup, num_threads). Bad input:
-        ConfigError(path, key, expected) when path is given, else ValueError naming the key.
-
-    profile(model: nn.Module, spec: PlacementSpec, batch: Tensor | None = None, *, name: str = "")
-            -> PlacementProblem
-        Time each layer's forward+backward per batch on every measured type; scale (or take from
-        config) the others, which are labelled NOT_MEASURED; record boundary tensor bytes.
-
-    problem_from_config(config: Mapping, model: nn.Module, batch: Tensor | None = None, *,
-                        path: str | None = None, counts: Mapping[str, int] | None = None,
-                        name: str = "") -> PlacementProblem
-        parse_spec + profile in one call.
-
-    make_planner(name: str, **kwargs) -> Planner            # names: PLANNERS; planner.plan(problem) -> Plan
-    plan(problem: PlacementProblem, planner: str | Planner = "rl") -> Plan
-    replan(problem, available_counts: Mapping[str, int] | Sequence[int], planner: str | Planner = "rl",
-           current: Sequence[int] | None = None, min_gain: float = 0.0) -> Plan
-
-A :class:`~hmp.placement.problem.Plan` gives ``assignment`` (resource index per layer),
-``stages`` (``start``/``stop`` layer slice, ``resource_name``, ``workers``), ``feasible``, ``cost``
-and ``throughput``; ``plan.describe(problem)`` prints it with NOT_MEASURED labels.
+:func:`parse_spec`, :func:`profile` (or both at once, :func:`problem_from_config`),
+:func:`make_planner`, :func:`plan` and :func:`replan` are what the scheduler's placement loop and
+the benchmarks use, so that planners and profilers can change behind them. docs/placement.md
+lists their signatures.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """REINFORCE over the layer sequence: an LSTM policy places layers one by one.
 
-The policy (trained from scratch for each problem, like HeterPS's scheduler) is an encoder-decoder:
-
-* a bidirectional LSTM reads the static features of all layers (``features.static_features``), so
-  the choice for layer ``i`` can depend on what comes after it;
-* an ``LSTMCell`` decoder steps through the layers; its input at step ``i`` is the encoding of
-  layer ``i`` and the dynamic features (previous choice, fractions so far), the same observation
-  the gymnasium environment gives; a linear head gives logits over the ``R`` types.
-
-Training: each iteration samples ``batch`` episodes at once, scores them with the cost model and
-``cost_model.reward`` (the environment's reward), and takes an Adam step on
-``-mean(advantage * log_prob) - entropy_coef * entropy``. The advantage is the reward minus a
-moving-average baseline, divided by a moving average of the batch's standard deviation (reward
-normalisation); the entropy bonus decays linearly to zero so the policy explores first and commits
-later. The infeasibility penalty adapts to just below the worst feasible plan seen.
-
-Three additions to plain REINFORCE, each a switch (docs/placement.md has their effect):
-
-* *elite replay*: the ``elite`` best distinct plans seen are replayed as forced episodes in every
-  batch (scored under the current policy), so good plans keep pulling the policy;
-* *warm start*: the elite starts as the homogeneous plans and the greedy plan, so the policy
-  starts from the greedy baseline instead of i.i.d. noise;
-* *polish*: the best plan is finished by ``local_search.improve`` (segment recolouring, at most
-  ``polish_budget`` evaluations). ``TrainResult.sampled`` keeps the plan before it.
-
-The best plan ever sampled (and the final greedy decode) is kept. Everything is seeded, and the
-whole run, polish included, stays within ``budget`` cost-model evaluations (the sampling
-baselines' budget).
+The policy, trained from scratch for each problem like HeterPS's scheduler, is a bidirectional
+LSTM encoder over the layers' features and an ``LSTMCell`` decoder that picks each layer's
+resource type; it is trained with REINFORCE on the cost model's reward, with elite replay, a
+greedy warm start and a local-search polish, all within the sampling baselines' ``budget`` of
+cost-model evaluations. The policy and its training are in docs/placement.md, "Planners".
 """
 
 from __future__ import annotations
@@ -162,7 +140,7 @@ class RLPlanner:
     def train(self, problem: PlacementProblem) -> TrainResult:
         """Train on ``problem``; return the best plan, the policy and the training record."""
         # One intra-op thread: the tensors are tiny, and on a shared machine a second thread turns
-        # every op into a wait for a busy core (15x slower measured on 2 loaded cores).
+        # every op into a wait for a busy core (docs/placement.md, "Planners").
         with torch_threads(self.threads):
             return self._train(problem)
 

@@ -1,32 +1,9 @@
 """The placement settings a job gives (a ``[placement]``-like mapping), validated.
 
 :func:`parse_spec` turns a plain mapping (a TOML table, a dict in a test or a benchmark) into a
-:class:`PlacementSpec`: the resource types with prices, counts and how their per-layer times are
-obtained, and the training demand. It checks every key and names the bad one: with ``path`` (the
-config file) it raises :class:`hmp.errors.ConfigError`, without it ``ValueError``.
-
-Accepted mapping::
-
-    {
-      "resources": [
-        {"name": "cpu", "price_per_hour": 0.1, "count": 4},                       # measured here
-        {"name": "gpu", "price_per_hour": 2.5, "count": 2, "measured": false,     # not measured:
-         "speed_scale": {"dense": 20, "sparse": 0.5}, "overhead_s": 5e-5},        #   scaled from cpu
-        {"name": "tpu", "price_per_hour": 4.0, "count": 1, "measured": false,
-         "times_s": [1e-4, 2e-4, ...]},                                           # measured elsewhere
-      ],
-      "bandwidth_bytes_per_s": 1.25e9, "samples": 1e7, "min_throughput": 5e4, "batch_size": 256,
-      # optional: "message_overhead_s" (default DEFAULT_MESSAGE_OVERHEAD_S), "micro_batches" (1),
-      #           "reps" (or "profile_repeats"), "warmup", "num_threads"
-    }
-
-Per resource: ``device`` (default ``"cpu"``, or ``"cuda"`` for a type named like a GPU) is where a
-measured type is profiled; ``measured`` is ``true``, ``false`` or ``"auto"`` (the default:
-measured when the device exists on this machine, else scaled). A type that is not measured gets
-``speed_scale`` (times = the CPU reference's / scale + ``overhead_s``) or ``times_s`` (one figure
-per layer, seconds per batch, measured elsewhere) and is labelled ``NOT_MEASURED`` in every report.
-``count`` may be left out when the caller passes the counts (the runtime counts joined workers).
-Keys the runtime reads from the same ``[placement]`` table (``RUNTIME_KEYS``) are ignored here.
+:class:`PlacementSpec`, the resource types and the training demand, checking every key and naming
+the bad one (:class:`hmp.errors.ConfigError` with ``path``, else ``ValueError``). The accepted keys
+are in docs/placement.md, "Config mapping".
 """
 
 from __future__ import annotations
@@ -50,9 +27,8 @@ _TOP_KEYS = frozenset(
 )
 #: Seconds of fixed cost per message crossing a stage boundary on this runtime (hmp over ZeroMQ on
 #: loopback, Python on both ends): the one-way cost of a small ``activations`` message, measured
-#: with ``python bench/pipeline.py --message-overhead`` on the 2-core development machine (a request
-#: round trip of 200-250 us, halved)
-#: (docs/placement.md, "Cost model"). A link between hosts adds its latency on top.
+#: with ``python bench/pipeline.py --message-overhead`` on the 2-core development machine (half a
+#: request round trip; docs/placement.md, "Cost model"). A link between hosts adds its latency on top.
 DEFAULT_MESSAGE_OVERHEAD_S = 120e-6
 _RESOURCE_KEYS = frozenset({"name", "price_per_hour", "count", "speed_scale", "measured", "device", "overhead_s", "times_s"})
 LAYER_KINDS = ("sparse", "dense", "elementwise")

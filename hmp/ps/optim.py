@@ -1,29 +1,9 @@
 """Optimizers that update one flat 1-D parameter chunk in place (the PS shard's update kernels).
 
-A PS shard owns chunks (see ``hmp.flat``), not modules, so torch.optim does not
-fit: each chunk gets its own optimizer object holding that chunk's state. The update
-rules follow torch.optim exactly (``SGD``, ``Adam``, ``Adagrad``, same operation order),
-so a model trained through the PS matches a single-process run to float32 rounding.
-
-Allocation: every state tensor and the one or two scratch buffers some rules need are
-allocated once, in the constructor, with ``numel`` elements. ``step`` then runs only
-in-place ops (``mul_``, ``add_``, ``lerp_``, ``addcmul_``, ``addcdiv_``, ``out=``), so it
-allocates nothing per call. ``grad`` is read, never written: the same gradient buffer
-can be reused or inspected after the update. The scratch buffers are not state and are
-not in ``state_dict``.
-
-Each chunk is a single tensor, so there is nothing for torch's ``_foreach_*`` ops to
-batch over here; a shard that wants one kernel launch for many chunks should place them
-in one contiguous region and run one optimizer over that region.
-
-Learning-rate schedules (``[optimizer] schedule``, :mod:`hmp.ps.lr_schedule`): an optimizer built
-with a ``schedule`` takes each update's rate from it by its own update count (the rate of update
-``s + 1`` is ``schedule.lr(lr, s)``). A shard's workers push every chunk of the shard at each update
-and a ring steps each flat buffer once per step, so the count is the shard's applied-update count
-(the ring's step), kept in checkpoints and resyncs with the rest of the state. docs/optimizers.md
-has the update rules as applied here and the schedules' formulas.
-
-Also here: :func:`accumulate` and :func:`scale_`, the sync-mode gradient aggregation.
+A PS shard owns chunks (see :mod:`hmp.flat`), not modules, so torch.optim does not fit: each chunk
+gets its own optimizer holding that chunk's state, following torch.optim's update rules exactly and
+allocating nothing per step. Also here: :func:`accumulate` and :func:`scale_`, the sync-mode
+gradient aggregation. The rules, schedules and allocation are in docs/optimizers.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Which PS shard owns which parameter chunk, identical on every node.
 
-Every node builds the model from the config with the same seed, lays its parameters out in flat
-buffers (:mod:`hmp.flat`) and assigns the chunks to shards with the same deterministic greedy rule
-(:func:`assign_chunks`), so no node needs to be told where a chunk lives. A
-:class:`ShardedModel` holds the result: the model, its flat layout and buffers, and the
-assignment. It is built from a job's config by :func:`hmp.job.sharded_model`.
-
-Replicas (``[ps] replicas = 2``, docs/resilience.md): the chunks assigned to shard ``i`` form the chunk
-group named by that shard's id; its primary is shard ``i`` and its backup shard ``i + 1`` (cyclically),
-:func:`initial_replicas`, so every shard holds one group as primary and one as backup. After a loss
-the scheduler moves groups (:func:`next_backup`) and tells every shard the new map.
+Every node builds the model with the same seed, lays it out in flat buffers (:mod:`hmp.flat`) and
+assigns the chunks with the same deterministic greedy rule (:func:`assign_chunks`), so no node
+needs to be told where a chunk lives; :class:`ShardedModel` holds the result. With ``[ps] replicas
+= 2`` each shard's chunks form a group backed up on the next shard (:func:`initial_replicas`,
+:func:`next_backup`; docs/resilience.md).
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Hogwild-style CPU training: several Python threads update one shared model without locks.
 
-Each thread takes the next mini-batch of example indices from a shared cursor (the only lock:
-first-come-first-served over a shuffled epoch), computes its own gradients with
-``torch.autograd.grad`` (never ``.grad``, which the threads would share), and subtracts
-``lr * grad`` from the shared parameters in place. torch releases the GIL inside its ops, so
-the threads' matmuls run on different cores at once; ``HogwildStats.parallelism`` (the threads'
-CPU seconds over wall seconds) measures it.
-
-Thread safety, and why the races are acceptable
------------------------------------------------
-* The cursor is behind a lock, so every example index is handed out exactly once per epoch.
-* Parameter updates are not locked. A thread may compute its gradient on parameters that
-  other threads change during its forward/backward (stale or mixed reads), and two threads'
-  in-place adds on the same element may interleave so that one is lost. This is the Hogwild
-  bargain (Niu et al., 2011): updates are small, conflicting writes are rare relative to all
-  writes, and SGD tolerates the noise; Ma & Rusu run their CPU side the same way. Float32
-  element stores are whole on the CPUs we run on, so a reader never sees a torn float, only
-  an old or a new value.
-* The update goes through ``p.data`` aliases taken once, not through ``p`` under
-  ``torch.no_grad()``: an in-place op on ``p`` bumps its autograd version counter, and another
-  thread whose graph saved ``p`` for backward would then fail with "modified by an inplace
-  operation". ``.data`` shares the storage but not the version counter, which is exactly the
-  "let the race happen" we want. Loading new values (:meth:`HogwildTrainer.load_flat`) also
-  copies into those aliases, so the storage the threads hold stays the one the model uses.
-* The gradient accumulator (:class:`GradientAccumulator`) is locked: a push to the PS must see
-  each update's gradient exactly once, and ``drain`` swaps buffers under the same lock.
-* Modules with mutable state in forward (BatchNorm running stats) race the same way as the
-  parameters; the models in :mod:`hmp.models` have none.
+Each thread takes the next mini-batch from a shared cursor (the only lock on the training path),
+computes its own gradients with ``torch.autograd.grad`` and subtracts ``lr * grad`` from the shared
+parameters in place; torch releases the GIL inside its ops, so the threads compute on different
+cores at once. Why the unlocked races are acceptable is in docs/hogbatch.md, "Thread safety: why the races are acceptable".
 """
 
 from __future__ import annotations

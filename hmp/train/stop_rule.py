@@ -1,16 +1,10 @@
 """Target stop rules judged on the parameters a job hands back (pure; docs/report.md, ``final``).
 
-A worker's test evaluation during training is of its own replica, a mix of shard values of several
-moments; updates in flight after the stop move the PS parameters on. So a target reached on a
-replica does not by itself end a PS job: it is a *candidate*, and the scheduler evaluates the
-parameters it pulls from the shards. Only when those meet the target does the job stop, and those
-pulled values are the job's result (``final``, ``model.pt``): the stop and the final evaluation
-are the same evaluation of the same values. An allreduce job's rank 0 judges its own evaluation
-(every replica is the same) and the ring stops before the next update, with those parameters.
-
-:func:`target_reason` says whether metrics meet ``[train] target_accuracy`` / ``target_loss``;
-:class:`TargetConfirmation` keeps one confirmation at a time and spaces out the next after a
-rejection (``eval_every_s``), since a worker repeats its last evaluation in every report.
+A worker's evaluation is of its own replica, so a target it reaches is only a candidate: the
+scheduler confirms it on the parameters pulled from the shards, which then are the job's result,
+so that the stop and the final evaluation judge the same values (an allreduce job's rank 0 judges
+its own, identical replica). :func:`target_reason` checks metrics against the targets;
+:class:`TargetConfirmation` keeps one confirmation at a time and spaces out retries.
 """
 
 from __future__ import annotations

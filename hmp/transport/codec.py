@@ -1,36 +1,11 @@
 """The wire codec: pure functions between typed messages and frame lists. No sockets here.
 
-``encode(msg) -> list[buffer]`` and ``decode(frames) -> Message``. Frame 0 is a msgpack map (the
-header); frames 1..n are raw C-contiguous tensor bytes, each tensor cut into frames of at most
-``frame_bytes``. The full format is in docs/protocol.md.
-
-Zero-copy rules
----------------
-* ``encode`` returns memoryviews over the tensors' own memory; nothing is copied unless a tensor
-  is not C-contiguous (made contiguous once: the wire carries dense row-major bytes). The caller
-  must not mutate a tensor until the send that holds its frames has completed (see
-  ``hmp.transport.endpoint``: ``Client.send(track=True)`` returns a tracker to wait on, and a
-  handler's ``Reply(msg, on_sent)`` is told when its buffers are free).
-* ``decode`` returns tensors that are *views over the received frames* when a tensor arrived in
-  one frame. The default ``frame_bytes`` (1 GiB, the default message limit) keeps every tensor in
-  one frame, so the receive side copies nothing. The views are read-only in spirit: they alias the
-  transport's receive buffers. A tensor that arrived split over several frames is assembled into
-  one new buffer: the frames are separate allocations, and one contiguous tensor cannot view them
-  all (this is the only copy on the receive side).
-* ``decode`` raises only :class:`~hmp.errors.ProtocolError`, whatever bytes it is given.
-
-Shared memory
--------------
-A tensor descriptor may carry ``"shm": [segment, offset, slot]`` instead of frames (docs/protocol.md,
-"Shared memory"): the tensor's bytes lie in a shared-memory segment both peers map. The codec stays
-pure: ``encode(..., locate=f)`` asks ``f(tensor)`` for a reference (None: send frames), and
-``decode(..., resolve=g)`` asks ``g(segment, offset, nbytes, slot)`` for a buffer of exactly
-``nbytes`` (``hmp.transport.shm`` provides both, the endpoint decides per peer when to pass them).
-A reference decoded without a resolver, or one the resolver refuses, is a ProtocolError with code
-``bad_shm``.
-
-Speed: the per-kind schema (field checkers, tensor fields) is compiled once at import, so encoding
-or decoding a small control message costs a few microseconds (see bench/transport.py).
+``encode(msg) -> list[buffer]`` returns a msgpack header frame plus views of the tensors' own
+memory, and ``decode(frames) -> Message`` returns tensors that view the received frames, so a
+message crosses the codec without copies; ``decode`` raises only
+:class:`~hmp.errors.ProtocolError`. Shared-memory references are located and resolved through
+callbacks, which keeps the codec pure. The format and the zero-copy rules are in
+docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -58,7 +33,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 #: Tensors up to this many bytes travel in one frame and are decoded as views (no copy). Large on
 #: purpose, against the ~1 MiB first planned: ZeroMQ hands over a multipart message only when all of
 #: it has arrived, so small frames cannot pipeline anything, and a tensor cut into frames must be
-#: copied back together by the receiver, ~8-13 ms per 64 MiB here, a third of the transfer itself.
+#: copied back together by the receiver (docs/architecture.md, "Changes from DESIGN.md").
 #: Single big frames were slow only because libzmq's buffer for a frame over 32 MiB is a fresh mmap
 #: that faults in page by page; ``endpoint.tune_malloc()`` (daemons call it) removes that. Tensors
 #: above this are still split (and copied together once on receipt); see bench/transport.py.
@@ -99,8 +74,8 @@ class Limits:
     max_tensors: int = 1024
     max_rank: int = 8
     max_string: int = 1 << 16  #: characters in any header string
-    #: maps and arrays in a header, counted while it is unpacked (each costs ~0.1-1 us, and a 1 MiB
-    #: header of empty arrays holds a million); None: 2 per tensor descriptor (a map and its shape)
+    #: maps and arrays in a header, counted while it is unpacked (a 1 MiB header of empty arrays
+    #: holds a million); None: 2 per tensor descriptor (a map and its shape)
     #: plus 256
     max_containers: int | None = None
     #: nesting of the free-form (``Any``) values in ``fields``, e.g. ``tensors.meta``: deeper values
@@ -503,7 +478,7 @@ def decode_header(frame0: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any
     containers = limits.container_limit
     if len(raw) > containers:
         # Each map or array takes at least one byte, so only a header longer than the limit can
-        # hold too many: count them as they are built (the hook costs ~0.2 us a container, paid
+        # hold too many: count them as they are built (the hook's cost per container is paid
         # by large headers only) and stop at the first one over.
         options["list_hook"] = options["object_hook"] = _container_counter(containers)
     try:
@@ -556,7 +531,7 @@ def _view(frames: Sequence[memoryview], dtype: torch.dtype, shape: list[int], nb
         return flat if len(shape) == 1 else flat.view(shape)
     # Split over several frames (separate allocations): assemble once into one buffer. numpy's
     # allocator asks the kernel for transparent huge pages on buffers this large, so first touch
-    # costs ~512x fewer page faults than torch.empty's 4 KiB pages (64 MiB: ~13 ms vs ~32 ms here).
+    # costs 512x fewer page faults than torch.empty's 4 KiB pages (docs/protocol.md, "Flow control").
     out = np.empty(nbytes, dtype=np.uint8)
     pos = 0
     for f in frames:

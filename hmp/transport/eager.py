@@ -1,15 +1,10 @@
 """Start a coroutine eagerly: its first step runs at once, and only one that suspends gets a Task.
 
-Standard library only (``tests/test_transport.py`` loads this file by path under every Python it
-finds, 3.12+ included, without zmq or torch installed there).
-
 Most request handlers finish without suspending, and a Task per request costs more than the rest
-of such a request (~5-10 us, bench/transport.py). Python 3.12+ does this natively
-(``asyncio.Task(..., eager_start=True)``): the first step runs inside the Task, so
-``asyncio.current_task()`` is set and a handler may enter ``asyncio.timeout()`` before it first
-suspends. Python 3.11 has no eager start: the first step runs here, outside any Task (so
-``current_task()`` is None until the first suspension), and a coroutine that suspended continues
-in a Task driving :class:`_Resume`.
+of such a request. Python 3.12+ does this natively (``eager_start=True``, the first step inside the
+Task); on 3.11 the first step runs here, outside any Task, and a coroutine that suspends continues
+in a Task driving :class:`_Resume`. Standard library only: ``tests/test_transport.py`` loads this
+file by path under every installed Python, without zmq or torch.
 """
 
 from __future__ import annotations

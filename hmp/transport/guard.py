@@ -1,23 +1,10 @@
 """Receive-side guards: what a daemon does with a message before the codec sees it.
 
-The codec bounds what a message costs to decode (:class:`hmp.transport.codec.Limits`); two costs
-come before that and are bounded here:
-
-* **Reading the parts.** libzmq hands over a multipart message only once all of it has arrived,
-  but the receiver still takes its parts one call at a time (~2-6 us each on the test machine:
-  6,000 empty frames cost a daemon's loop 30-370 ms in one callback). :class:`PartReader` reads at
-  most ``parts_per_turn`` parts per turn of the event loop, then gives the loop back in the middle
-  of the message, and keeps only the first ``max_parts`` of a message (the routing id and header
-  among them): the rest of an over-long one is read and dropped at once, and it comes back as an
-  :class:`Overlong` for the endpoint to refuse (``too_large``, answered with the header's rid).
-* **Memory.** A frame above ``zmq.MAXMSGSIZE`` makes libzmq drop the connection as soon as the
-  frame's length prefix arrives, before buffering it; :func:`max_frame_bytes` is the value for a
-  job's limits. libzmq has no limit on a whole multipart message, so a message of many frames each
-  under the limit is buffered whole before anyone can look at its header; what a daemon can do is
-  bound each frame, refuse the message at once, and give the memory back afterwards
-  (:func:`release_memory`). Only CURVE (``[security] curve``) keeps strangers from sending at all.
-
-Nothing here decodes; :func:`overlong_error` is the error an endpoint answers an Overlong with.
+The codec bounds what a message costs to decode (:class:`hmp.transport.codec.Limits`); reading its
+parts and buffering its frames come before that and are bounded here: :class:`PartReader` reads a
+bounded number of parts per event-loop turn and turns an over-long message into an
+:class:`Overlong` to refuse, :func:`max_frame_bytes` sizes libzmq's frame limit and
+:func:`release_memory` gives the memory back. Why these bounds: docs/protocol.md, "Limits".
 """
 
 from __future__ import annotations
@@ -35,7 +22,7 @@ from hmp.transport.codec import Limits
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
-#: Parts read per turn of the event loop (about 3-6 ms at the per-part cost above); a message with
+#: Parts read per turn of the event loop (docs/protocol.md, "Limits"); a message with
 #: more parts is read over several turns, with the loop's other callbacks (heartbeats) in between.
 PARTS_PER_TURN = 1024
 
@@ -166,8 +153,8 @@ def release_memory() -> bool:
     For after refusing a large message: :func:`hmp.transport.endpoint.tune_malloc` keeps freed
     receive buffers mapped on purpose (up to its ``retain_bytes`` at the top of the heap, and any
     amount below live allocations), so a refused 3 GiB message would otherwise stay in the RSS.
-    Costs a walk of the heap and a page release per freed page (measured: 0.5 ms with nothing to
-    give back, 18 ms for 256 MiB), so call it rarely: after a refused message of many megabytes,
+    Costs a walk of the heap and a page release per freed page (docs/protocol.md, "Flow control"),
+    so call it rarely: after a refused message of many megabytes,
     not per message.
     """
     if platform.libc_ver()[0] != "glibc":

@@ -1,25 +1,10 @@
 """ZeroMQ CURVE for hmp's endpoints: keys, the ZAP handler that admits the job's peers, handshake watch.
 
-How a job uses CURVE (docs/security.md; ``[security] curve = true``):
-
-* ``hmp-keygen DIR --nodes ...`` writes one keypair per node (``NAME.key``: public, ``NAME.key_secret``:
-  secret, pyzmq's certificate format), one for the launcher (``launcher``), one per ``--client``, and
-  the job's **server keypair** (``server``). Every daemon's server uses the server keypair; a client
-  needs only ``server.key`` (public) to reach any server of the job, and its own keypair.
-* Every server runs behind a ZAP handler (:class:`KeyAuthenticator`, one per zmq context) that admits
-  a client only if its public key is one of the ``*.key`` files of the key folder (the job's allowed
-  set, read at start), and gives the connection the key's name as its ZAP User-Id. A refused key is
-  logged (``curve_refused``, with the peer's address; rate-limited). The server then checks every
-  message's ``sender`` against that name (:func:`sender_bound`): with CURVE on, sender ids are no
-  longer self-asserted, so the who-may-send-what table (hmp.nodes.base) means what it says.
-* What the server key proves: a client talks to *some* holder of ``server.key_secret``, i.e. a daemon
-  of this job (they all hold it); daemons are trusted alike, so one cannot impersonate another's
-  server to anyone outside the job.
-* A client whose handshake fails does not hang: the server's verdict (``HANDSHAKE_FAILED_*``, seen by
-  a socket monitor) fails its requests at once, and a connection that is up without a finished
-  handshake after ``handshake_timeout_s`` (a wrong server key: the server cannot even read the hello)
-  fails them with :class:`HandshakeFailed`, naming the address. ``ZMQ_HANDSHAKE_IVL`` bounds the
-  handshake on both sides.
+With ``[security] curve = true`` every server uses the job's server keypair and admits only clients
+whose public key is in the job's key folder (:class:`KeyAuthenticator`), binding each connection to
+its key's name so that message senders are no longer self-asserted (:func:`sender_bound`); a client
+whose handshake fails gets :class:`HandshakeFailed` instead of hanging. What the keys prove and how
+a job uses them: docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Shared memory between the processes of one host: arenas of segments, peers' segments, clean-up.
 
-When two endpoints run on the same host, a tensor that lies in a shared-memory segment travels as a
-reference (segment, offset) in the message header and the receiver reads it in place: ZeroMQ
-carries only the header (docs/shm.md; the wire rules are in docs/protocol.md, "Shared memory").
-This module owns the memory; :mod:`hmp.transport.shm_link` decides, per peer, when to use it.
-
-* A segment is a file ``<dir>/hmp.<job>.<owner>.<tag>.<n>`` (``dir`` is ``/dev/shm`` by default,
-  a tmpfs: the file's pages are the memory), mapped with ``mmap`` and seen as numpy/torch arrays.
-  ``tag`` is the owner's pid (``<pid>x<k>`` if a live process holds that name already); ``n`` 0 is
-  the *probe*, a small segment whose first bytes hold a random token: a peer that can read the token
-  through its own mapping has proved it maps this process's segments.
-  Not ``multiprocessing.shared_memory``: CPython 3.11's resource tracker unlinks segments that a
-  process merely attached to when that process exits, and warns about "leaked" ones.
-* :class:`Arena`: the segments one process owns. ``alloc(numel, dtype)`` gives a zeroed tensor in a
-  segment of its own (a model's gradient buffer, a ring's buckets): a request carrying it, or any
-  view of it, sends no payload. A *reply pool* lends *slots* (blocks of pool segments) for replies
-  (``reply_copies``): a slot is lent until the process drops every view of it (local) and every
-  peer it was sent to has released it (``ShmRelease``), then reused.
-* Owners hold an exclusive ``flock`` on every segment for as long as they live; the kernel drops
-  it when the process exits, however it exits. :func:`cleanup_stale` removes the segments nobody
-  holds (a process that was killed), without guessing from pids (reused, or of another pid
-  namespace). An arena removes its own segments when it is closed, garbage-collected or at
-  interpreter exit (``weakref.finalize``); a SIGKILL leaves them to ``cleanup_stale``, which the
-  launcher runs at start and after its daemons exit, and every daemon at its start.
-* Peers' segments are mapped read-only on first use and cached. A received view is read-only
-  memory: writing to one kills the process (SIGSEGV), so a receiver copies what it changes.
-* :func:`host_id`: what "the same host" means: boot id, host name, network namespace and the
-  segment directory's device. Emulated hosts (``hmp.emulate``, network namespaces on one machine)
-  are different hosts on purpose; the probe still decides, the id only avoids a useless try.
-
-Nothing here touches sockets (it imports neither ZeroMQ nor the endpoint).
+When two endpoints run on the same host, a tensor in a shared-memory segment travels as a reference
+in the message header and the receiver reads it in place, so ZeroMQ carries only the header. This
+module owns that memory: the segments a process allocates and lends as reply slots, the peers'
+segments it maps read-only, the host identity, and the clean-up of segments a killed process left
+behind; :mod:`hmp.transport.shm_link` decides, per peer, when to use it. See docs/shm.md and
+docs/protocol.md, "Shared memory". It imports neither ZeroMQ nor the endpoint.
 """
 
 from __future__ import annotations

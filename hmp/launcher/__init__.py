@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import signal
 from collections.abc import Iterable
@@ -30,6 +29,8 @@ class Service:
 async def terminate(procs: Iterable[Any], grace_s: float, sig: int | None = signal.SIGTERM) -> None:
     """Stop processes (``asyncio.subprocess.Process`` or alike): ``sig`` to each still running (None: none,
     they were asked some other way), then SIGKILL to those still running after ``grace_s``."""
+    import asyncio  # here: the keeper imports this package, and must start in milliseconds
+
     live = [p for p in procs if p.returncode is None]
     if not live:
         return

@@ -86,8 +86,8 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         else:
             from hmp.nodes.worker import WorkerNode
             node = WorkerNode(cfg, args.id)
-        return await node.run(pending_signals=_early_signals,
-                              ready=lambda address: _write_ready(args.ready_file, address) if args.ready_file else None)
+        ready = (lambda address: _write_ready(args.ready_file, address)) if args.ready_file else None
+        return await node.run(pending_signals=_early_signals, ready=ready)
 
     try:
         return uvloop.run(go())

@@ -39,7 +39,7 @@ from typing import Any
 import structlog
 
 from hmp import job as job_mod
-from hmp.cluster import JobFailed, LocalCluster
+from hmp.cluster import LocalCluster
 from hmp.emulate import EmulatedHosts, load_hosts
 from hmp.errors import ConfigError, HmpError, RequestError
 from hmp.gadget.interface import ClusterSpec, HostSpec, PendingJob, Scheduler
@@ -47,6 +47,8 @@ from hmp.gadget.model import ModelType, NetworkConstants, RingCostModel
 from hmp.jobs.core import ManagerCore, Start
 from hmp.jobs.ray_inventory import RayInventory
 from hmp.jobs.spec import JobSpec, load_job, loads_job, profile_compute_s, topology
+from hmp.launcher import Service
+from hmp.launcher.base import JobFailed, Launcher
 from hmp.messages import Ack, Kind, Message, Status, Submit
 from hmp.transport.endpoint import Server
 
@@ -142,7 +144,7 @@ def make_scheduler(name: str, seed: int = 0) -> Scheduler:
         raise ConfigError("--scheduler", "scheduler", f"a scheduler name known to hmp.gadget ({exc})") from None
 
 
-class JobManager:
+class JobManager(Service):
     """Runs submitted ring jobs on the slots of ``hosts`` (module docstring).
 
     ``hosts``: a hosts file (``[[hosts]] slots``, docs/emulate.md), an :class:`EmulatedHosts` (one already
@@ -205,7 +207,7 @@ class JobManager:
         self.on_event = on_event
         self.results: dict[str, JobResult] = {}
         self.specs: dict[str, JobSpec] = {}
-        self.clusters: dict[str, Any] = {}  # running jobs' LocalCluster or RayCluster (tests kill workers with them)
+        self.clusters: dict[str, Launcher] = {}  # running jobs' launchers (tests kill workers with them)
         self._done: dict[str, asyncio.Future] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._ids = itertools.count(1)
@@ -217,17 +219,6 @@ class JobManager:
         self._stopping = False
 
     # ------------------------------------------------------------------ life cycle
-    async def __aenter__(self) -> JobManager:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.stop()
-
     async def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.emulated is not None and self._own_hosts:
@@ -344,7 +335,7 @@ class JobManager:
         result.placement = {h: n for h, n in zip(self.host_names, start.placement) if n}
         result.predicted_iteration_s = start.predicted_iteration_s
         self._event("job_started", result)
-        cluster: Any = None
+        cluster: Launcher
         port = 0
         try:
             job_dir = self.run_dir / jid
@@ -400,7 +391,7 @@ class JobManager:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _watch_namespaces(self, cluster: LocalCluster, result: JobResult) -> None:
+    async def _watch_namespaces(self, cluster: Launcher, result: JobResult) -> None:
         """Record the emulated host each daemon's process really runs in (``/proc/PID/ns/net`` against the
         hosts' namespaces): evidence for the placement, beyond the config that asked for it."""
         hosts = self.emulated
@@ -411,7 +402,7 @@ class JobManager:
             with contextlib.suppress(OSError):
                 inode[os.stat(f"/run/netns/{h.netns}").st_ino] = name
         while any(not n["ran_in"] for n in result.nodes.values()):
-            for nid, proc in list(cluster.procs.items()):
+            for nid, proc in list(cluster.daemons.items()):
                 if nid in result.nodes and not result.nodes[nid]["ran_in"]:
                     with contextlib.suppress(OSError, ValueError):
                         link = os.readlink(f"/proc/{proc.pid}/ns/net")      # "net:[4026532345]"

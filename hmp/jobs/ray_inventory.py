@@ -77,20 +77,13 @@ class RayInventory:
 
     def connect(self) -> None:
         """Join the cluster (or start a local instance) unless this process is connected already."""
-        import signal
-
         import ray
 
-        if ray.is_initialized():
-            return
-        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:  # ray.init installs its own SIGTERM handler; the caller's (hmp-manager: stop every job) stays
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     **self.ray_init)
-        finally:
-            for s, h in saved.items():
-                signal.signal(s, h)
-        self._own = True
+        from hmp.ray_engine import init_ray
+
+        if not ray.is_initialized():
+            init_ray(address=self.address, **self.ray_init)
+            self._own = True
 
     def read(self) -> list[RayHost]:
         """The alive nodes as hosts, in ``ray.nodes()`` order; ValueError when two would have the same name

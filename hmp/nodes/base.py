@@ -280,9 +280,10 @@ class Node:
         if main is not None and main is not asyncio.current_task() and not main.done():
             main.cancel()
 
-    async def run(self, pending_signals: list[int] | None = None) -> int:
+    async def run(self, pending_signals: list[int] | None = None, ready: Callable[[str], None] | None = None) -> int:
         """Serve until stopped; returns the process exit code. ``pending_signals`` are signals that arrived before
-        the loop took them over (see ``hmp.nodes.main``); they stop the node as soon as it starts."""
+        the loop took them over (see ``hmp.nodes.main``); they stop the node as soon as it starts. ``ready`` is
+        called with the bound address once the node serves (``hmp.nodes.main --ready-file``)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -315,6 +316,8 @@ class Node:
                               f"an address this host can bind: {self.node.bind}: {exc}") from None
         self.log.info("serving", address=self.server.address, pid=os.getpid(), curve=curve is not None,
                       token=bool(self.cfg.job.token))
+        if ready is not None:
+            ready(self.server.address)
         if self.cfg.metrics.enabled:
             try:
                 self.metrics_endpoint = await MetricsEndpoint.start(self)

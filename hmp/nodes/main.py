@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 
@@ -32,6 +34,9 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--id", required=True, help="this node's id in the config's [[nodes]]")
     ap.add_argument("--log-format", choices=["auto", "console", "json"], default=None,
                     help="override [job] log_format")
+    ap.add_argument("--ready-file", metavar="PATH", default=None,
+                    help="once serving, write {\"address\", \"pid\"} (JSON) here: how a launcher learns the address "
+                         "the daemon bound (e.g. a port the OS picked)")
     if role in (Role.PS, Role.SCHEDULER):
         ap.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint (shards) or saved state (scheduler: epochs, "
@@ -81,7 +86,8 @@ def _run(role: str, argv: list[str] | None = None) -> int:
         else:
             from hmp.nodes.worker import WorkerNode
             node = WorkerNode(cfg, args.id)
-        return await node.run(pending_signals=_early_signals)
+        ready = (lambda address: _write_ready(args.ready_file, address)) if args.ready_file else None
+        return await node.run(pending_signals=_early_signals, ready=ready)
 
     try:
         return uvloop.run(go())
@@ -91,6 +97,13 @@ def _run(role: str, argv: list[str] | None = None) -> int:
     except HmpError as exc:
         print(f"hmp-{role} {args.id}: {exc}", file=sys.stderr)
         return 1
+
+
+def _write_ready(path: str, address: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"  # whole or absent: the launcher polls for it
+    with open(tmp, "w") as f:
+        json.dump({"address": address, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
 
 
 def scheduler_main(argv: list[str] | None = None) -> int:
@@ -113,4 +126,9 @@ ROLE_MAINS = {Role.SCHEDULER: scheduler_main, Role.PS: ps_main, Role.CPU_WORKER:
               Role.GPU_WORKER: gpu_worker_main}
 
 if __name__ == "__main__":  # python -m hmp.nodes.main ROLE --config ... --id ...
+    if sys.argv[1:] == ["-"]:  # the arguments as one JSON line on stdin (hmp.launcher.keeper), read with torch
+        line = sys.stdin.readline()  # imported and the early-signal handlers in place; no line: exit 0
+        if not line:
+            sys.exit(0)
+        sys.argv[1:] = json.loads(line)
     sys.exit(ROLE_MAINS[sys.argv[1]](sys.argv[2:]))

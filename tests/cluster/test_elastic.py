@@ -15,10 +15,10 @@ import pytest
 
 from hmp.cluster import JobFailed, LocalCluster
 
-from tests.support import pipeline_config, ring_config, write_config
+from tests.support import HB_JOB, pipeline_config, ring_config, write_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
-HB = 0.3  # the tests' heartbeat interval (cluster_util)
+HB = HB_JOB
 #: A slower optimizer than the other cluster tests': the job must outlast a fault's detection (~1 s) by far.
 SLOW = 'name = "sgd"\nlr = 0.02'
 

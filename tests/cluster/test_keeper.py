@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.cluster_util import write_config
+from tests.support import write_config
 
 pytestmark = pytest.mark.cluster
 

@@ -29,7 +29,7 @@ from hmp.ray_engine import RayCluster  # noqa: E402  (needs ray)
 
 LAUNCH = [sys.executable, "-m", "hmp.launch"]
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
-SUBNET = "10.231.13.0/24"  # the emulated-hosts tests' own range, apart from tests/test_emulate.py's
+SUBNET = "10.231.13.0/24"  # the emulated-hosts tests' own range, apart from tests/cluster/test_emulate.py's
 
 
 #: Where the module's Ray instance exports its metrics (Ray's metrics agent: only with ray[default]).

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.cluster_util import write_config
+from tests.support import write_config
 
 
 @pytest.mark.cluster

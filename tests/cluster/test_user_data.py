@@ -428,7 +428,7 @@ def test_a_scheduler_started_by_hand_refuses_bad_data_with_the_same_line(tmp_pat
         _stop([proc])
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert lines[0].startswith(f"hmp-scheduler") and f"config error: {cfg}: key 'data.path'" in lines[0]
+    assert lines[0].startswith("hmp-scheduler") and f"config error: {cfg}: key 'data.path'" in lines[0]
     assert "short.npz: arrays 'x' (50 rows) and 'y' (49 labels) differ in length" in lines[0]
 
 

@@ -1,6 +1,6 @@
 """The configuration reference (docs/config.md), generated from the config dataclasses' help texts.
 
-``python -m hmp.config.reference --update`` (``make docs``) rewrites it; ``tests/test_readme.py``
+``python -m hmp.config.reference --update`` (``make docs``) rewrites it; ``tests/unit/test_readme.py``
 checks that it is current.
 """
 

@@ -3,7 +3,7 @@
 Most request handlers finish without suspending, and a Task per request costs more than the rest
 of such a request. Python 3.12+ does this natively (``eager_start=True``, the first step inside the
 Task); on 3.11 the first step runs here, outside any Task, and a coroutine that suspends continues
-in a Task driving :class:`_Resume`. Standard library only: ``tests/test_transport.py`` loads this
+in a Task driving :class:`_Resume`. Standard library only: ``tests/cluster/test_transport.py`` loads this
 file by path under every installed Python, without zmq or torch.
 """
 

@@ -246,7 +246,9 @@ def test_a_member_killed_mid_op_breaks_halving_doubling_within_the_timeout(membe
     outs = _kill_mid_op(members, 4, victim=3)
     assert all(kind == "error" and name == "RingBroken" and st["halving_ops"] == 1 for kind, name, _, st in outs), outs
     named = [member for _, _, member, _ in outs]
-    assert named[1] == 3 and named[2] == 3 and named[0] in (1, 2, 3), named
+    # Member 2 waits on 3 directly. Member 1 may have its step-0 pieces from 3 before 3 dies and then wait on
+    # 0 (which waits on 2, which waits on 3) unless a refusal naming 3 reaches it first: blame is best effort.
+    assert named[2] == 3 and named[1] in (0, 3) and named[0] in (1, 2, 3), named
 
 
 @pytest.mark.cluster

@@ -110,7 +110,7 @@ async def test_fewer_live_workers_than_min_workers_fails_the_job(tmp_path):
         with pytest.raises(JobFailed) as info:
             await cluster.train(timeout_s=60)
         waited = time.monotonic() - t0
-    assert info.value.node == "gpu0" and "then scheduler with code 1" in str(info.value), info.value
+    assert info.value.node == "gpu0" and "then scheduler exited with code 1" in str(info.value), info.value
     assert "only 1 of 2 workers remain (cpu0) after gpu0 lost" in cluster.log_tail("scheduler", 40)
     assert "min_workers = 2" in str(info.value)
     assert waited < 4 * HB + 10

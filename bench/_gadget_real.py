@@ -1,9 +1,9 @@
-"""Part (b) of bench/gadget.py: a slice of the ITP trace replayed through hmp's real cluster mode (hmp.jobs)
+"""Part (b) of bench/gadget.py: a slice of the ITP trace replayed through hmp's real cluster mode (hmp.manager)
 on emulated hosts, under GADGET and under the best baseline, and the cost model against measured iterations.
 
 Setup. ``conf/hosts4x2.toml``: 4 emulated hosts x 2 worker slots, every link shaped to 200 Mbit/s each way
 (docs/emulate.md). One :class:`hmp.emulate.EmulatedHosts` is started once and shared by every
-:class:`hmp.jobs.JobManager` below (each job: a scheduler daemon and one CPU ring worker per slot, inside
+:class:`hmp.manager.JobManager` below (each job: a scheduler daemon and one CPU ring worker per slot, inside
 the hosts the placement names). Two model types, both ring-all-reduce MLPs on digits, batch 32 per worker:
 ``wide`` (64-1024-1024-10: 4.5 MB of gradient per step, little compute: a ring that spans hosts waits on
 the links) and ``mid`` (64-256-256-10: 0.35 MB).
@@ -82,8 +82,8 @@ from hmp.gadget.jobs import (ConvergenceStop, LinearDecay, SigmoidDeadline, Trac
 from hmp.gadget.model import IterationSample, ModelType, RingCostModel, calibrate, predict_sample  # noqa: E402
 from hmp.gadget.schedulers import make_scheduler  # noqa: E402
 from hmp.gadget.simulate import simulate  # noqa: E402
-from hmp.jobs.manager import DEFAULT_NETWORK, DONE, JobManager, JobResult, cluster_spec  # noqa: E402
-from hmp.jobs.spec import JobSpec, loads_job, profile_compute_s  # noqa: E402
+from hmp.manager.service import DEFAULT_NETWORK, DONE, JobManager, JobResult, cluster_spec  # noqa: E402
+from hmp.manager.spec import JobSpec, loads_job, profile_compute_s  # noqa: E402
 
 #: The trace as shipped with the project (data/traces, with its licence), else the shared copy.
 TRACE = next((p for p in (ROOT / "data" / "traces" / "itp_cluster04_busiest5000.csv",

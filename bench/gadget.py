@@ -19,7 +19,7 @@
   value / the exact optimum's; worst and mean, for one host (the regime of the proved bound: gap <= 0.5)
   and for 2-3 hosts with running rings sharing links (no bound proved; measured).
 
-(b) ``part_b(args)``: if bench/_gadget_real.py exists (written with the cluster mode, hmp.jobs), its
+(b) ``part_b(args)``: if bench/_gadget_real.py exists (written with the cluster mode, hmp.manager), its
 ``part_b(args) -> dict`` replays a short slice for real; its figures (``real_utility_vs_best_baseline``,
 ``model_error``) are merged under ``real``. ``--skip-real`` skips it.
 

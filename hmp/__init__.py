@@ -24,7 +24,7 @@ def __getattr__(name: str):
         from hmp.cluster import LocalCluster
         return LocalCluster
     if name == "JobManager":
-        from hmp.jobs.manager import JobManager
+        from hmp.manager.service import JobManager
         return JobManager
     if name == "PSClient":
         from hmp.client import PSClient

@@ -69,7 +69,7 @@ class HostSpec:
     name: str
     bandwidth_mbit: float = 1000.0
     delay_ms: float = 0.0
-    slots: int = 1  #: worker slots the job manager (hmp.jobs) may fill on this host; nothing else reads it
+    slots: int = 1  #: worker slots the job manager (hmp.manager) may fill on this host; nothing else reads it
 
 
 @dataclasses.dataclass(frozen=True)

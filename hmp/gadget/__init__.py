@@ -5,5 +5,5 @@ measured step times (:mod:`hmp.gadget.fit`), jobs and their utilities (:mod:`hmp
 schedulers (:mod:`hmp.gadget.schedulers`: GADGET and the baselines, one interface), the trace-driven
 simulator (:mod:`hmp.gadget.simulate`) and small random rounds against the exact optimum
 (:mod:`hmp.gadget.instances`). The real cluster
-mode that starts jobs on hosts builds on these (:mod:`hmp.jobs`).
+mode that starts jobs on hosts builds on these (:mod:`hmp.manager`).
 """

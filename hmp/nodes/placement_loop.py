@@ -21,7 +21,7 @@ from hmp.errors import HmpError
 from hmp.messages import StageAssign
 from hmp.models import from_config
 from hmp.pipeline.assign import StageWorkers, assign_workers, predicted_throughput, runnable
-from hmp.pipeline.schedule import micro_batches_of, total_steps
+from hmp.pipeline.microbatches import micro_batches_of, total_steps
 from hmp.placement import calibration
 from hmp.placement.calibration import Calibration, RuntimeCosts, StageLoad, StageMeasurement
 from hmp.placement.problem import PlacementProblem, Plan

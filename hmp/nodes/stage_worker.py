@@ -1,7 +1,7 @@
 """The worker daemon of a ``[placement]`` job: runs whatever pipeline stage the scheduler assigns.
 
 It waits for a ``stage_assign``, pulls its stage's parameters from the PS shards and runs the
-micro-batch schedule of :mod:`hmp.pipeline.schedule`, pushing its chunks' gradients every step; a
+micro-batch schedule of :mod:`hmp.pipeline.microbatches`, pushing its chunks' gradients every step; a
 later assignment (a re-plan) aborts the step in flight and continues with the new layers. One
 engine task handles every event in arrival order, so a push's reply never rewrites parameters a
 forward or backward saved. The step, the overlapped push, held messages, backpressure and faults
@@ -28,7 +28,7 @@ from hmp.messages import Ack, Activations, Assign, Gradients, Kind, Message, Rep
 from hmp.nodes.base import Node
 from hmp.nodes.shard_follower import ShardFollower
 from hmp.pipeline.chunks import stage_chunk_keys
-from hmp.pipeline.schedule import ExampleOrder, micro_batches_of, worker_for
+from hmp.pipeline.microbatches import ExampleOrder, micro_batches_of, worker_for
 from hmp.pipeline.stage import StageCompute
 from hmp.flat import chunk_views
 from hmp.placement.profiler import param_layers

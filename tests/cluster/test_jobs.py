@@ -1,4 +1,4 @@
-"""The job manager (hmp.jobs): its sans-IO core on scripted events, job files, and real ring jobs placed
+"""The job manager (hmp.manager): its sans-IO core on scripted events, job files, and real ring jobs placed
 by a scheduler onto emulated hosts' slots (docs/jobs.md)."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from hmp.gadget.interface import HostSpec as SlotHost
 from hmp.gadget.jobs import LinearDecay
 from hmp.gadget.model import ModelType, NetworkConstants, RingCostModel
 from hmp.gadget.schedulers import make_scheduler
-from hmp.jobs.core import ManagerCore
-from hmp.jobs.manager import DONE, FAILED, JobManager
-from hmp.jobs.spec import load_job, loads_job, topology
+from hmp.manager.core import ManagerCore
+from hmp.manager.service import DONE, FAILED, JobManager
+from hmp.manager.spec import load_job, loads_job, topology
 from hmp.messages import Submit
 from hmp.transport.endpoint import Client
 
@@ -361,7 +361,7 @@ def test_cli_submit_and_stop(tmp_path):
 def test_a_ray_nodes_host_name_slots_and_link_follow_the_documented_rule():
     """A Ray node (an entry of ray.nodes()) as a host: named by its hmp_host:<name> resource, else its IP; slots
     from hmp_slots, else its whole CPUs (GPUs add none); link from hmp_link_mbit, else the default."""
-    from hmp.jobs.ray_inventory import DEFAULT_LINK_MBIT, host_of_node
+    from hmp.manager.ray_inventory import DEFAULT_LINK_MBIT, host_of_node
 
     plain = host_of_node({"NodeID": "n1", "NodeManagerAddress": "10.0.0.5",
                           "Resources": {"CPU": 7.5, "GPU": 2.0, "memory": 1e9, "node:10.0.0.5": 1.0}})

@@ -414,8 +414,8 @@ async def test_job_manager_on_ray_with_metrics_through_ray(tmp_path, ray_address
     it recorded (by the real Ray metric objects, in the actor) are hmp's (a worker's samples, its request
     latency histogram, the scheduler's membership), tagged with the job, node and role. Nothing is left."""
     from hmp.gadget.model import ModelType, RingCostModel
-    from hmp.jobs.manager import DEFAULT_NETWORK, DONE, JobManager, cluster_spec
-    from hmp.jobs.ray_inventory import RayInventory
+    from hmp.manager.service import DEFAULT_NETWORK, DONE, JobManager, cluster_spec
+    from hmp.manager.ray_inventory import RayInventory
 
     job = tmp_path / "ring.toml"
     job.write_text(RING_JOB)

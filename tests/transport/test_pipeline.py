@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hmp.pipeline.schedule import ExampleOrder
+from hmp.pipeline.microbatches import ExampleOrder
 from tests.support import pipeline_config
 
 

@@ -591,7 +591,7 @@ def test_optimal_scheduler_drives_a_small_simulation():
 
 
 def test_dataclass_contract_kept():
-    # the other half (hmp.jobs) builds these; the added RunningJob field must default
+    # the other half (hmp.manager) builds these; the added RunningJob field must default
     r = RunningJob("r", "a", (1,), 0.0, 1.0, LinearDecay(1.0, 1.0), 0.0)
     assert r.submit_s is None
     assert dataclasses.fields(PendingJob)[-1].name == "utility"

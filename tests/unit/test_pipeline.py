@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from hmp.models import click_model, deep_mlp
 from hmp.pipeline.assign import assign_workers, runnable
 from hmp.pipeline.chunks import layer_aligned_layout, stage_chunk_keys
-from hmp.pipeline.schedule import ExampleOrder, micro_batches_of
+from hmp.pipeline.microbatches import ExampleOrder, micro_batches_of
 from hmp.pipeline.stage import StageCompute
 from hmp.placement import cost_model
 from hmp.placement.problem import NOT_MEASURED

@@ -10,7 +10,7 @@ placed the job (:func:`topology`). ``[submit]`` says what the scheduler needs to
     workers = 2              # what the user asks for (the trace's num_gpus; default min_workers)
     model_type = "mlp_wide"  # the cost model's name for this job's model (default: derived from [model])
     utility = { kind = "linear", value = 1.0, zero_at_s = 600 }   # value of finishing at a completion time
-                                                                  # (hmp.jobs.utility: linear, sigmoid, convergence)
+                                                                  # (hmp.manager.utility: linear, sigmoid, convergence)
 
 The work is ``[train] epochs`` passes over the training set (``samples`` = epochs x training
 examples; a job stops earlier at ``target_accuracy`` or ``max_seconds``). Every error is a
@@ -35,7 +35,7 @@ from hmp.data import whole_batch
 from hmp.emulate import dumps_toml
 from hmp.errors import ConfigError
 from hmp.gadget.interface import Utility
-from hmp.jobs.utility import UtilityError, make_utility
+from hmp.manager.utility import UtilityError, make_utility
 
 #: Keys of the ``[submit]`` table.
 SUBMIT_KEYS = ("min_workers", "max_workers", "workers", "model_type", "utility")
@@ -227,7 +227,7 @@ def topology(spec: JobSpec, *, job_name: str, placement: Mapping[str, int], port
     for section, keys in (extra or {}).items():
         raw.setdefault(section, {}).update(keys)
     raw["nodes"] = _nodes([(h, n) for h, n in placement.items()], port)
-    return f"# {spec.path} placed by the job manager (hmp.jobs): {dict(placement)}\n" + dumps_toml(raw)
+    return f"# {spec.path} placed by the job manager (hmp.manager): {dict(placement)}\n" + dumps_toml(raw)
 
 
 def epochs_for(samples: float, train_examples: int) -> int:

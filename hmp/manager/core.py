@@ -1,6 +1,6 @@
 """The job manager's sans-IO core: slots per host, the queue, the running jobs, the scheduler's decisions.
 
-No sockets, no processes, no clock of its own: the shell (:mod:`hmp.jobs.manager`) feeds it events with
+No sockets, no processes, no clock of its own: the shell (:mod:`hmp.manager.service`) feeds it events with
 the time (a submission, a job's end) and gets back what to do (:class:`Start` a job on a placement).
 On every arrival and completion the core asks the :class:`~hmp.gadget.interface.Scheduler` which
 pending jobs start now, and where, and checks the answer before acting on it: a placement that names

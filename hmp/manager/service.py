@@ -4,14 +4,14 @@
         handle = await m.submit("conf/jobs/digits_small.toml")
         result = await handle.wait()          # a JobResult: status, JCT, queueing delay, placement, ...
 
-The state (slots, queue, running jobs) and every decision live in :class:`~hmp.jobs.core.ManagerCore`;
-this shell loads job files (:mod:`hmp.jobs.spec`), turns the core's :class:`~hmp.jobs.core.Start`
+The state (slots, queue, running jobs) and every decision live in :class:`~hmp.manager.core.ManagerCore`;
+this shell loads job files (:mod:`hmp.manager.spec`), turns the core's :class:`~hmp.manager.core.Start`
 decisions into running jobs, and tells the core when a job ends. Each admitted job is a topology of its
 own (a per-job scheduler daemon and one ``cpu_worker`` per slot, each on the host the placement names,
 the scheduler on a port of its own) run by a :class:`~hmp.cluster.LocalCluster` on the manager's
 :class:`~hmp.emulate.EmulatedHosts` (several clusters share them), or on this machine's loopback when
 the manager does not emulate its hosts (they are then only slot counts); with ``hosts=RayInventory(...)``
-(:mod:`hmp.jobs.ray_inventory`) the hosts and slots are a Ray cluster's nodes and each job runs on them
+(:mod:`hmp.manager.ray_inventory`) the hosts and slots are a Ray cluster's nodes and each job runs on them
 through the Ray engine (:class:`~hmp.ray_engine.RayCluster`, each daemon pinned to the node its placement
 names). A job that fails (a daemon exits non-zero, e.g. a killed worker) ends alone: its cluster stops
 its daemons, its slots return to the core, the other jobs go on.
@@ -44,15 +44,15 @@ from hmp.emulate import EmulatedHosts, load_hosts
 from hmp.errors import ConfigError, HmpError, RequestError
 from hmp.gadget.interface import ClusterSpec, HostSpec, PendingJob, Scheduler
 from hmp.gadget.model import ModelType, NetworkConstants, RingCostModel
-from hmp.jobs.core import ManagerCore, Start
-from hmp.jobs.ray_inventory import RayInventory
-from hmp.jobs.spec import JobSpec, load_job, loads_job, profile_compute_s, topology
+from hmp.manager.core import ManagerCore, Start
+from hmp.manager.ray_inventory import RayInventory
+from hmp.manager.spec import JobSpec, load_job, loads_job, profile_compute_s, topology
 from hmp.launcher import Service
 from hmp.launcher.base import JobFailed, Launcher
 from hmp.messages import Ack, Kind, Message, Status, Submit
 from hmp.transport.endpoint import Server
 
-log = structlog.get_logger("hmp.jobs")
+log = structlog.get_logger("hmp.manager")
 
 #: A job's states: queued -> running -> done | failed; stopped when the manager stops first.
 QUEUED, RUNNING, DONE, FAILED, STOPPED = "queued", "running", "done", "failed", "stopped"
@@ -148,7 +148,7 @@ class JobManager(Service):
     """Runs submitted ring jobs on the slots of ``hosts`` (module docstring).
 
     ``hosts``: a hosts file (``[[hosts]] slots``, docs/emulate.md), an :class:`EmulatedHosts` (one already
-    started stays the caller's and may be shared), a :class:`~hmp.jobs.ray_inventory.RayInventory` (a Ray
+    started stays the caller's and may be shared), a :class:`~hmp.manager.ray_inventory.RayInventory` (a Ray
     cluster's nodes; the jobs run under Ray, with ``ray_options`` for each job's
     :class:`~hmp.ray_engine.RayCluster`), or None: one logical host ``local`` with ``slots`` slots on this
     machine's loopback. ``emulate``: with a hosts file, run the jobs on emulated hosts (needs root)
@@ -156,7 +156,7 @@ class JobManager(Service):
     :class:`~hmp.gadget.interface.Scheduler`. ``cost``: the cost model the scheduler sees (and whose
     predictions the results carry); by default :data:`DEFAULT_NETWORK` on the hosts' links, and a job whose
     ``model_type`` it does not know adds it: the job's gradient bytes and batch size, and its compute time
-    measured here once (:func:`~hmp.jobs.spec.profile_compute_s`). ``overrides``: section keys set in every job (e.g. a shorter
+    measured here once (:func:`~hmp.manager.spec.profile_compute_s`). ``overrides``: section keys set in every job (e.g. a shorter
     ``train.max_seconds`` for tests). ``on_event``: called with (event name, JobResult) on start and end.
     """
 

@@ -47,12 +47,12 @@ def _line(event: str, r: Any) -> None:
 
 
 async def _manage(args: argparse.Namespace) -> int:
-    from hmp.jobs.manager import JobManager
+    from hmp.manager.service import JobManager
 
     hmp_log.configure("auto")
     hosts: Any = args.hosts
     if args.engine == "ray":
-        from hmp.jobs.ray_inventory import RayInventory
+        from hmp.manager.ray_inventory import RayInventory
 
         hosts = RayInventory(args.address)
     manager = JobManager(hosts, args.scheduler, emulate=not args.no_emulate, run_dir=args.run_dir,

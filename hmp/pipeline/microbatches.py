@@ -1,4 +1,4 @@
-"""The micro-batch schedule (GPipe-style fill and drain per step), identical on every worker.
+"""The micro-batch order (GPipe-style fill and drain per step), identical on every worker.
 
 Each step's batch is cut into ``micro_batches`` micro-batches that stage 0 sends forward back to
 back so the stages work on different ones at once; a stage pushes to the PS once all of its

@@ -383,9 +383,10 @@ def _npz_with_inf(path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
-def test_bad_data_exits_2_through_hmp_launch_with_one_line(tmp_path, case):
+def test_bad_data_exits_2_through_hmp_launch_with_one_line(tmp_path, case, monkeypatch, capsys):
     """hmp-launch refuses bad data before any daemon starts: exit 2, one line naming the config, the key, the data
-    file and the line (svmlight) or array (npz), and what was expected."""
+    file and the line (svmlight) or array (npz), and what was expected. The first case runs the hmp-launch command;
+    the others call its main() in this process (the same code, without a Python start-up per case)."""
     files = write_data(tmp_path)
     name, write, key, says = BAD_DATA[case]
     path = tmp_path / name
@@ -394,10 +395,17 @@ def test_bad_data_exits_2_through_hmp_launch_with_one_line(tmp_path, case):
     inputs = 13 if name in ("wine.npz", "bc.npz") else 30  # the last two cases: a model that does not fit
     cfg = write_job(tmp_path, model=model_ref(tmp_path, "TabularNet"), args=f"{{ in_features = {inputs}, classes = 2 }}",
                     data=f'kind = "{kind}"\npath = "{name}"\nstandardize = true')
-    done = launch(cfg, timeout_s=60, forkserver=False)
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    if case == next(iter(BAD_DATA)):
+        done = launch(cfg, timeout_s=60, forkserver=False)
+        code, err = done.returncode, done.stderr
+    else:
+        from hmp.launch import main as launch_main
+
+        monkeypatch.setenv("HMP_FORKSERVER", "0")
+        code, err = launch_main([str(cfg)]), capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"hmp-launch: config error: {cfg}: key '{key}'"), lines[0]
     assert says in lines[0], lines[0]
     assert not (tmp_path / "run" / "logs").exists()  # no daemon was started

@@ -15,22 +15,16 @@ torch.set_num_threads(1)  # the test process shares 2 cores with the daemons it 
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "transport", "cluster")
-#: Modules whose tests make emulated hosts (fixed subnets) or Ray instances: under pytest-xdist they all run in
-#: one test process, one at a time, as they would without xdist.
-ONE_AT_A_TIME = {"test_emulate", "test_ray", "test_jobs", "test_trust"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test with its tier, read from its folder, so `-m unit` and `tests/unit` select the same; and
-    with its xdist group: a module's tests stay in one test process (module fixtures are made once), and the
-    modules in ONE_AT_A_TIME share one."""
+    """Mark every test with its tier, read from its folder, so `-m unit` and `tests/unit` select the same."""
     for item in items:
         path = Path(item.fspath)
         tier = path.relative_to(TESTS).parts[0]
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/transport or tests/cluster")
         item.add_marker(tier)
-        item.add_marker(pytest.mark.xdist_group("hosts" if path.stem in ONE_AT_A_TIME else f"{tier}/{path.stem}"))
 
 
 def pytest_asyncio_loop_factories(config, item):

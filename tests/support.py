@@ -43,16 +43,9 @@ def free_port() -> int:
     """A loopback port free now, for a config's ``bind``, from the 12,000 ports just below the kernel's
     ephemeral range. Below it, because the port is bound later, by a daemon: a port from the ephemeral range
     (a bind to port 0 here) could meanwhile be given to a worker that binds port 0, which then answers the
-    joins meant for the scheduler. Ray's default worker ports (10002-19999) lie below the range used. Under
-    pytest-xdist each test process draws from its own slice, so two never hand out the same port."""
+    joins meant for the scheduler. Ray's default worker ports (10002-19999) lie below the range used."""
     high = _ephemeral_low()
     low = max(20000, high - 12000)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... or "" without xdist
-    if worker.startswith("gw"):
-        count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-        width = (high - low) // count
-        low += int(worker[2:]) % count * width
-        high = low + width
     for _ in range(1000):
         port = random.randrange(low, high)
         if port in _handed_out:

@@ -14,7 +14,6 @@ import pytest
 from hmp.cluster import LocalCluster
 from tests.support import ring_config
 
-pytestmark = pytest.mark.cluster
 BIN = str(Path(sys.executable).parent / "hmp-launch")  # the console script of the environment under test
 
 

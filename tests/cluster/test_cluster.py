@@ -21,7 +21,6 @@ from hmp.transport.endpoint import Client
 
 from tests.support import write_config
 
-pytestmark = pytest.mark.cluster
 BIN = os.path.join(os.path.dirname(sys.executable), "hmp-launch")
 
 

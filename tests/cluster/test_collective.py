@@ -181,7 +181,6 @@ def _run_cases(members: Members, size: int, cases: list[tuple[str, int, int, int
     return [r[1] for r in replies]
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("size,algorithm", [(2, "auto"), (3, "auto"), (4, "auto"), (4, "ring")],
                          ids=["2", "3", "4-halving", "4-ring"])
 def test_every_dtype_and_size_in_real_processes(members, size, algorithm):
@@ -201,7 +200,6 @@ def test_every_dtype_and_size_in_real_processes(members, size, algorithm):
     assert all(s["small_ops"] == len(DTYPE_NAMES) and s[large] == len(DTYPE_NAMES) for s in stats), stats
 
 
-@pytest.mark.cluster
 def test_stale_generation_is_refused_by_a_real_member(members):
     """A piece of an older ring generation gets the error reply stale_ring; the ring works on."""
     gen = members.form(2, piece_bytes=1024, timeout_s=10.0)
@@ -237,7 +235,6 @@ def _kill_mid_op(members: Members, size: int, victim: int) -> list[tuple[str, st
     return [(outs[0][0], outs[0][1], outs[0][2], stats) for outs, stats, _ in replies]
 
 
-@pytest.mark.cluster
 def test_a_member_killed_mid_op_breaks_halving_doubling_within_the_timeout(members):
     """Four members, halving-doubling: member 3 dies (SIGKILL) after consuming a few pieces of its
     first step. Members 1 and 2, whose partner it is at steps 0 and 1, raise RingBroken naming it
@@ -251,7 +248,6 @@ def test_a_member_killed_mid_op_breaks_halving_doubling_within_the_timeout(membe
     assert named[2] == 3 and named[1] in (0, 3) and named[0] in (1, 2, 3), named
 
 
-@pytest.mark.cluster
 def test_a_member_killed_mid_op_breaks_the_ring_within_the_timeout(members):
     """Member 2 dies (SIGKILL) after consuming a few pieces of an op: members 0 and 1 raise
     RingBroken naming member 2 within about timeout_s, not a hang. (Last: it kills a member.)"""

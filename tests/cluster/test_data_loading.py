@@ -130,7 +130,6 @@ def test_svmlight_parts_parse_only_their_lines_and_equal_the_whole_load_cut(tmp_
         assert len(other.y_train) == 360  # the other half of the training rows: the bad line is not among them
 
 
-@pytest.mark.cluster
 async def test_ring_members_load_the_training_split_and_only_rank_0_the_test_set(tmp_path):
     """Two ring members: both load the training split only; rank 0 (w0, the evaluator) loads the test set too."""
     text = digits_job_text(tmp_path, name="ring", consistency="allreduce", target=0.99, epochs=2,
@@ -153,7 +152,6 @@ bind = "tcp://127.0.0.1:{free_port()}"
     assert loads == {"w0": [("train", DIGITS_TRAIN, 0), ("test", 0, DIGITS_TEST)], "w1": [("train", DIGITS_TRAIN, 0)]}
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("policy", ["static", "hogbatch"])
 async def test_ps_workers_load_their_slice_or_with_first_come_first_served_the_split(tmp_path, policy):
     """Static slices: each PS worker trains on (and loaded) its half of the training rows. First-come-first-served
@@ -167,7 +165,6 @@ async def test_ps_workers_load_their_slice_or_with_first_come_first_served_the_s
     assert samples == ([half, DIGITS_TRAIN - half] if policy == "static" else [DIGITS_TRAIN] * 2), samples
 
 
-@pytest.mark.cluster
 async def test_pipeline_stage_workers_load_training_rows_only_for_stage_0(tmp_path):
     """The click pipeline (embeddings on the cpu workers, the MLP on the accel worker): the stage-0 workers load
     the training split when assigned stage 0; the last stage's worker only the test set (its labels come with the

@@ -17,7 +17,7 @@ from hmp.cluster import JobFailed, LocalCluster
 
 from tests.support import HB_JOB, pipeline_config, ring_config, write_config
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 HB = HB_JOB
 #: A slower optimizer than the other cluster tests': the job must outlast a fault's detection (~1 s) by far.
 SLOW = 'name = "sgd"\nlr = 0.02'

@@ -37,7 +37,6 @@ batch_size = 32
     return path
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("kind", ["ps", "allreduce"])
 async def test_a_jobs_model_reproduces_its_reports_final_accuracy(tmp_path: Path, kind: str) -> None:
     """A real short job (5 daemons, or a 2-worker ring) stopped by its target: model.pt, loaded with load_model

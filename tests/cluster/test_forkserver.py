@@ -69,7 +69,6 @@ async def test_spawning_after_the_server_is_gone_fails_clearly(tmp_path):
         await srv.spawn(["scheduler"], env=dict(os.environ), log=str(tmp_path / "x.log"))
 
 
-@pytest.mark.cluster
 def test_a_launcher_killed_with_sigkill_leaves_no_daemon_running(tmp_path):
     """hmp-launch dies at once (SIGKILL): its fork server sees the end of its stdin and exits, and each daemon,
     told by the kernel that its parent died, stops gracefully within seconds instead of training on."""

@@ -240,7 +240,6 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     return p
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(120)
 async def test_two_jobs_submitted_together_both_finish_where_the_scheduler_placed_them(tmp_path, hosts):
     """Two 2-worker jobs on four 1-slot hosts: each ring spans two hosts; both finish, each on the placement
@@ -265,7 +264,6 @@ async def test_two_jobs_submitted_together_both_finish_where_the_scheduler_place
     assert m.core.free == [1, 1, 1, 1]
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(120)
 async def test_a_bad_submission_is_refused_while_a_running_job_continues(tmp_path, hosts):
     """A bad job file, through the API and through hmp's transport (``submit``), is refused with an error
@@ -292,7 +290,6 @@ async def test_a_bad_submission_is_refused_while_a_running_job_continues(tmp_pat
     assert list(m.results) == [running.job_id]  # the refused files never became jobs
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(120)
 async def test_a_job_whose_worker_is_killed_fails_alone(tmp_path, hosts):
     """Killing one worker of a running job that needs both (min_workers = 2) fails that job (its other
@@ -319,7 +316,6 @@ async def test_a_job_whose_worker_is_killed_fails_alone(tmp_path, hosts):
     assert m.core.free == [1, 1, 1, 1] and not m.core.running
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_cli_submit_and_stop(tmp_path):
     """hmp-manager on this machine's loopback (--no-emulate) takes hmp-submit's jobs: a bad file exits 2 with the

@@ -11,11 +11,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from tests.support import write_config
 
-pytestmark = pytest.mark.cluster
 
 
 def _start(tmp_path, name: str) -> tuple[subprocess.Popen, dict]:

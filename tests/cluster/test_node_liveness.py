@@ -16,7 +16,6 @@ from tests.support import free_port, write_config
 
 # ----------------------------------------------------------------------------- real daemons
 
-@pytest.mark.cluster
 async def test_steps_and_evaluations_longer_than_three_heartbeats_do_not_lose_the_worker(tmp_path):
     """A worker whose every step and evaluation outlasts three heartbeat intervals keeps heartbeating: the job
     completes and the scheduler declares no node lost."""
@@ -97,7 +96,6 @@ resource = "cpu"
     return str(path)
 
 
-@pytest.mark.cluster
 async def test_a_stage_worker_whose_evaluation_raises_fails_at_once(tmp_path):
     """A stage worker's report loop that dies (its evaluation raises) fails the node at once, with the exception in
     its log, instead of leaving the job idle until max_seconds (120 s here)."""

@@ -16,7 +16,6 @@ from hmp.transport.endpoint import Client
 
 from tests.support import write_config
 
-pytestmark = pytest.mark.cluster
 
 
 @pytest.mark.timeout(120)

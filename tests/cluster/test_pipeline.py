@@ -21,7 +21,6 @@ MLP = (deep_mlp, dict(in_features=12, width=24, depth=4, classes=5), lambda n: t
 # ----------------------------------------------------------------------------- real jobs
 
 
-@pytest.mark.cluster
 async def test_click_pipeline_trains_and_reports_plan_and_stage_throughputs(tmp_path):
     """The scheduler profiles and plans the click model into two stages (embeddings on cpu workers, the MLP on
     the accel worker), the stages train it over hmp to well above chance, and the report shows the plan, the
@@ -60,7 +59,6 @@ async def _wait_for(cluster, pred, timeout_s=30.0):
     raise AssertionError(f"condition not met within {timeout_s} s; status: {st}")
 
 
-@pytest.mark.cluster
 async def test_replans_when_a_worker_joins_late_and_when_one_leaves(tmp_path):
     """cpu1 is held back (SIGSTOP) so the first plan runs without it; when it joins the loop re-plans with it in
     the embedding stage; when accel0 leaves (SIGTERM) the loop re-plans onto the cpu workers alone, training goes

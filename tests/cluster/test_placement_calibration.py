@@ -15,7 +15,6 @@ MS = 1e-3
 TWO_STAGES = [StageLoad("cpu", 1 * MS, workers=2, param_bytes=1e6), StageLoad("accel", 3 * MS, workers=1, param_bytes=2e5)]
 
 
-@pytest.mark.cluster
 @pytest.mark.timeout(120)
 async def test_a_pipeline_job_reports_its_calibrated_prediction(tmp_path):
     """A real click pipeline job (tests/test_pipeline.py's config): once its workers have reported a few steps

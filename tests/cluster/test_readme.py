@@ -8,14 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from tests.support import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.cluster
 def test_readme_api_example_trains(tmp_path):
     """The README's `async with hmp.LocalCluster(...)` example trains and prints the accuracy."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)

@@ -10,12 +10,10 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from tests.support import write_config
 
 
-@pytest.mark.cluster
 def test_a_daemon_writes_the_address_it_bound_to_its_ready_file(tmp_path):
     cfg = write_config(tmp_path)  # ps0 binds tcp://127.0.0.1:0: the OS picks the port
     ready, log = tmp_path / "ready.json", tmp_path / "ps0.log"

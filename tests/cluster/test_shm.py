@@ -496,7 +496,6 @@ async def _stop(procs: dict[str, ForkedProcess]) -> None:
             await p.wait()
 
 
-@pytest.mark.cluster
 @pytest.mark.slow
 async def test_pushes_through_real_shards_over_shared_memory_equal_the_tcp_path(tmp_path, job):
     """Shards with shared memory serve a client on this host over it and another client over TCP; the
@@ -559,7 +558,6 @@ async def test_pushes_through_real_shards_over_shared_memory_equal_the_tcp_path(
         shm.close_process_arena()
 
 
-@pytest.mark.cluster
 @pytest.mark.slow
 async def test_a_shard_without_shared_memory_serves_a_client_with_it(tmp_path, job):
     from hmp.client import PSClient
@@ -587,7 +585,6 @@ async def test_a_shard_without_shared_memory_serves_a_client_with_it(tmp_path, j
     assert not shm.list_segments(job)
 
 
-@pytest.mark.cluster
 @pytest.mark.slow
 async def test_the_launcher_removes_a_killed_daemons_segments(tmp_path, job):
     """A sync job on LocalCluster uses shared memory; a shard SIGKILLed mid-run fails the job, and

@@ -363,7 +363,6 @@ def test_sparse_load_peak_memory_is_within_2x_of_scikit_learns_loader(tmp_path):
 # ---------------------------------------------------------------------------- a job
 
 
-@pytest.mark.cluster
 async def test_a_sparse_svmlight_job_trains_through_the_api(tmp_path):
     """Through ``hmp.LocalCluster``: a sparse svmlight file reaches this file's SparseNet as CSR batches in the
     worker, and the scheduler's evaluation (the CSR test rows) clears the majority baseline by a wide margin."""

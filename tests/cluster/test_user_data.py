@@ -471,7 +471,6 @@ def test_a_worker_finds_a_bad_row_of_its_own_share_and_exits_2(tmp_path):
 # ---------------------------------------------------------------------------- training on the user's data
 
 
-@pytest.mark.cluster
 def test_breast_cancer_through_hmp_launch_raw_then_standardized(tmp_path):
     """The issue's case: raw breast_cancer (svmlight) warns once to standardize; standardized (npz) with a model
     class of this file reaches ~0.9+. scikit-learn's LogisticRegression on the same split is printed beside it."""
@@ -494,7 +493,6 @@ def test_breast_cancer_through_hmp_launch_raw_then_standardized(tmp_path):
     assert acc >= 0.9
 
 
-@pytest.mark.cluster
 async def test_wine_svmlight_and_an_image_cnn_through_the_api(tmp_path):
     """Through ``hmp.LocalCluster``: wine (svmlight, 3 classes, standardized) with a model class of this file, then
     digits' images as an [N, 1, 8, 8] npz reaching a CNN of this file unchanged."""
@@ -545,7 +543,6 @@ def test_hmp_exports_what_the_readme_uses():
         assert getattr(hmp, name) is not None
 
 
-@pytest.mark.cluster
 async def test_connect_builds_a_client_from_the_config_path_and_the_scheduler_address(tmp_path):
     """``hmp.connect(config path, scheduler address, token=...)``: the shards come from the scheduler's ``discover``;
     the client pulls the job's parameters and evaluates them; a config of another model is refused."""

@@ -33,7 +33,7 @@ from hmp.ps.checkpoint import CheckpointError, previous_checkpoint
 from hmp.ps.shard_core import ShardCore
 from hmp.transport.endpoint import Client
 
-from tests.support import client_of, daemon_env, running, shard_grads, shard_job_config
+from tests.support import Daemons, client_of, daemon_env, running, shard_grads, shard_job_config, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,13 +147,6 @@ def test_a_checkpoint_records_what_a_report_needs(tmp_path):
 # ----------------------------------------------------------------------------- the daemon, in this process
 
 
-async def _until(predicate, timeout_s: float = 5.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        await asyncio.sleep(0.02)
-
-
 def _version_on_disk(path: Path) -> int | None:
     try:
         return checkpoint.read(path)["version"]
@@ -169,10 +162,10 @@ async def test_checkpoint_every_s_writes_checkpoints_during_a_run(tmp_path):
     keys, grads = shard_grads(node)
     async with running(node), client_of(node, "cpu0") as cpu:
         assert (await cpu.request(Push(keys=keys, grads=grads))).version == 1
-        await _until(lambda: _version_on_disk(path) == 1, what="a checkpoint of version 1")
+        await until(lambda: _version_on_disk(path) == 1, what="a checkpoint of version 1")
         for _ in range(2):
             await cpu.request(Push(keys=keys, grads=grads))
-        await _until(lambda: _version_on_disk(path) == 3, what="a checkpoint of version 3")
+        await until(lambda: _version_on_disk(path) == 3, what="a checkpoint of version 3")
         # 2 under a slow loop: the timer may have ticked between the two pushes
         assert _version_on_disk(previous_checkpoint(path)) in (1, 2)
         await asyncio.sleep(0.3)  # the write that renamed the file is counted just after its rename
@@ -208,18 +201,18 @@ async def test_a_failed_write_keeps_the_previous_checkpoint_and_the_shard_servin
         keys, grads = shard_grads(node)
         async with running(node), client_of(node, "cpu0") as cpu:
             await cpu.request(Push(keys=keys, grads=grads))
-            await _until(lambda: _version_on_disk(path) == 1, what="the first checkpoint")
+            await until(lambda: _version_on_disk(path) == 1, what="the first checkpoint")
             good = path.read_bytes()
             free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
             filler = folder / "filler"
             with open(filler, "wb") as f:
                 f.write(b"\0" * (free - 8192))
             assert (await cpu.request(Push(keys=keys, grads=grads))).version == 2
-            await _until(lambda: node.stats["checkpoint_failures"] >= 1, what="a failed write")
+            await until(lambda: node.stats["checkpoint_failures"] >= 1, what="a failed write")
             assert path.read_bytes() == good and not list(folder.glob("*.tmp"))
             assert (await cpu.request(Push(keys=keys, grads=grads))).version == 3  # still serving
             filler.unlink()
-            await _until(lambda: _version_on_disk(path) == 3, what="a checkpoint once there is room")
+            await until(lambda: _version_on_disk(path) == 3, what="a checkpoint once there is room")
             assert _version_on_disk(previous_checkpoint(path)) == 1
     failed = [e for e in logs if e["event"] == "checkpoint_failed"]
     assert failed and failed[0]["path"] == str(path) and "No space left on device" in failed[0]["error"]
@@ -276,30 +269,25 @@ async def test_a_shard_that_loses_its_scheduler_writes_a_final_checkpoint(tmp_pa
     """The scheduler is killed: within 3 heartbeat intervals the shard declares it lost, writes a final
     checkpoint holding every applied update, and exits 1."""
     cfg_path = shard_job_config(tmp_path)  # checkpoint_every_s = 30: only the final checkpoint can be there
-    scheduler = subprocess.Popen([sys.executable, "-m", "hmp.nodes.main", "scheduler", "--config", str(cfg_path),
-                                  "--id", "scheduler"], env=daemon_env(), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-    try:
+    with Daemons(cfg_path, tmp_path) as daemons:  # the scheduler, stopped on the way out whatever happens
+        scheduler = daemons.start("scheduler", "scheduler")
         node = PSShardNode(load(cfg_path), "ps0")
         keys, grads = shard_grads(node)
         task = asyncio.create_task(node.run())
         try:
-            await _until(lambda: node.welcome is not None, 30, "the shard joins the scheduler")
+            await until(lambda: node.welcome is not None, 30, "the shard joins the scheduler")
             async with client_of(node, "cpu0") as cpu:
                 for _ in range(3):
                     await cpu.request(Push(keys=keys, grads=grads))
             assert not node.checkpoint_path.exists()
             scheduler.kill()
-            await _until(lambda: node.failed is not None, 3 * 0.3 + 2, "the scheduler declared lost")
+            await until(lambda: node.failed is not None, 3 * 0.3 + 2, "the scheduler declared lost")
             assert "scheduler lost" in node.failed
             assert await asyncio.wait_for(asyncio.shield(task), 15) == 1
             assert _version_on_disk(node.checkpoint_path) == 3
         finally:
             node.stopping.set()
             await asyncio.wait_for(task, 15)
-    finally:
-        scheduler.kill()
-        scheduler.wait(timeout=10)
 
 
 # ----------------------------------------------------------------------------- daemons and hmp-launch as processes

@@ -111,6 +111,8 @@ def write_data(tmp: Path) -> dict[str, Path]:
 
 def job_text(tmp: Path, *, model: str, args: str, data: str, train: str = "", optimizer: str = "",
              name: str = "user", epochs: int = 20, batch_size: int = 32, max_seconds: float = 90) -> str:
+    from tests.support import nodes_toml, scheduler_node  # here, not at the top: see free_port
+
     return f"""
 [job]
 name = "{name}"
@@ -137,19 +139,7 @@ eval_every_s = 0.5
 report_interval_s = 0.3
 {train}
 
-[[nodes]]
-id = "scheduler"
-role = "scheduler"
-bind = "tcp://127.0.0.1:{free_port()}"
-
-[[nodes]]
-id = "ps0"
-role = "ps"
-
-[[nodes]]
-id = "cpu0"
-role = "cpu_worker"
-"""
+""" + nodes_toml(scheduler_node(), ("ps0", "ps"), ("cpu0", "cpu_worker"))
 
 
 def write_job(tmp: Path, **kw) -> Path:

@@ -5,6 +5,7 @@ Test modules import helpers from here, never from each other."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from hmp.config import loads
+from hmp.nodes.forkserver import ForkedProcess, ForkServer
 from hmp.transport.codec import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,21 +235,58 @@ def daemon_env() -> dict[str, str]:
     return env
 
 
+class ForkedDaemon:
+    """A daemon forked by this process's fork server (:mod:`hmp.nodes.forkserver`), with the part of
+    ``subprocess.Popen`` the tests use: a fork of a process that has imported torch costs milliseconds, where a
+    fresh ``python -m hmp.nodes.main`` costs seconds of CPU."""
+
+    def __init__(self, proc: ForkedProcess) -> None:
+        self._proc, self.pid = proc, proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def poll(self) -> int | None:
+        return self._proc.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self._proc.returncode) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"daemon {self.pid}", timeout)
+            time.sleep(0.02)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        self._proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def fork_daemon(argv: list[str], log: Path) -> ForkedDaemon:
+    """``python -m hmp.nodes.main *argv`` forked from the fork server, its output to ``log``. Callable from a
+    running event loop: the request is made on a thread of its own."""
+    spawn = ForkServer.shared().spawn(argv, env=daemon_env(), log=str(log))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return ForkedDaemon(pool.submit(asyncio.run, spawn).result(timeout=120))
+
+
 class Daemons:
-    """Daemons a test starts by hand (``python -m hmp.nodes.main``), each logging to a file. Every one is
-    stopped when the block ends, however it ends: SIGTERM, then SIGKILL only past a 10 s grace."""
+    """Daemons a test starts by hand (``hmp.nodes.main ROLE``, forked by :func:`fork_daemon`), each logging to a
+    file. Every one is stopped when the block ends, however it ends: SIGTERM, then SIGKILL only past a 10 s
+    grace."""
 
     def __init__(self, cfg: Path, logs: Path) -> None:
         self.cfg, self.logs = cfg, logs
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, ForkedDaemon] = {}
         self.starts: dict[str, int] = {}
 
-    def start(self, role: str, node_id: str, *extra: str) -> subprocess.Popen:
+    def start(self, role: str, node_id: str, *extra: str) -> ForkedDaemon:
         self.starts[node_id] = self.starts.get(node_id, 0) + 1
-        with open(self.logs / f"{node_id}.{self.starts[node_id]}.log", "wb") as log:  # the child has its own fd
-            proc = subprocess.Popen([sys.executable, "-m", "hmp.nodes.main", role, "--config", str(self.cfg),
-                                     "--id", node_id, *extra], env=daemon_env(), stdout=log,
-                                    stderr=subprocess.STDOUT)
+        proc = fork_daemon([role, "--config", str(self.cfg), "--id", node_id, *extra],
+                           self.logs / f"{node_id}.{self.starts[node_id]}.log")
         self.procs[node_id] = proc
         return proc
 

@@ -87,7 +87,7 @@ async def test_a_killed_shard_restarted_with_resume_rejoins_and_the_job_reaches_
 
 
 async def test_a_killed_shard_that_is_not_restarted_fails_the_job_after_join_timeout(tmp_path):
-    join_timeout_s = 12
+    join_timeout_s = 5
     cfg = _job(tmp_path, join_timeout_s=join_timeout_s)
     with Daemons(cfg, tmp_path) as d:
         _start_job(d)

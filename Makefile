@@ -4,6 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 CONFIG ?= conf/local.toml
+# Test processes for `make test` (pytest-xdist); modules that share a Ray instance or an emulated subnet are
+# kept on one worker by their xdist_group mark.
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test test-unit bench docs docs-figures clean
 
@@ -22,7 +25,7 @@ run: setup
 	$(VENV)/bin/hmp-launch $(CONFIG)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The pure tier alone (no sockets, threads or processes): under a minute.
 test-unit: setup

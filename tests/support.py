@@ -111,7 +111,7 @@ report_interval_s = 0.3
 def write_config(tmp: Path, *, consistency: str = "async", target: float = 0.95, epochs: int = 30,
                  max_seconds: float = 120, fixed_ps_ports: bool = False, extra_train: str = "",
                  checkpoint_every: int = 0, workers: str = "both", optimizer: str = SGD,
-                 policy: str = "static") -> Path:
+                 policy: str = "static", name: str = "test") -> Path:
     """A digits job on loopback; PS ports fixed when a test needs to dial the shards itself."""
     ps_bind = [f"tcp://127.0.0.1:{free_port()}" if fixed_ps_ports else "tcp://127.0.0.1:0" for _ in range(2)]
     nodes = [("scheduler", "scheduler", f'bind = "tcp://127.0.0.1:{free_port()}"'),
@@ -120,7 +120,7 @@ def write_config(tmp: Path, *, consistency: str = "async", target: float = 0.95,
         nodes.append(("cpu0", "cpu_worker", "batch_size = 16"))
     if workers in ("both", "gpu"):
         nodes.append(("gpu0", "gpu_worker", 'device = "cpu"\nbatch_size = 128'))
-    text = digits_job_text(tmp, name="test", consistency=consistency, target=target, epochs=epochs,
+    text = digits_job_text(tmp, name=name, consistency=consistency, target=target, epochs=epochs,
                            max_seconds=max_seconds, optimizer=optimizer,
                            train_extra=f'policy = "{policy}"\n{extra_train}') + f"""
 [ps]

@@ -20,6 +20,9 @@ from hmp.messages import Kind, RingPiece
 from hmp.transport.endpoint import Client, Server
 from tests.support import DTYPE_NAMES, check_ring_sum, ring_inputs, tensor_bits, tensor_from_bits
 
+# one worker runs the module: its four member processes are started once
+pytestmark = pytest.mark.xdist_group("collective")
+
 
 def _member(index: int, conn: Any) -> None:
     """A member process: a Server routing Kind.RING to a RingHost, driven over ``conn``."""

@@ -20,6 +20,9 @@ from hmp.emulate import EmulatedHosts, EmulationUnavailable, HostSpec, load_host
 from hmp.errors import ConfigError
 from tests.support import digits_job_text
 
+# one worker runs the module: its subnets and fixed ports differ only from each other
+pytestmark = pytest.mark.xdist_group("emulate")
+
 BIN = str(Path(sys.executable).with_name("hmp-launch"))
 
 # A receiver that counts bytes and prints the seconds they took, and a sender of N bytes.
@@ -292,7 +295,7 @@ async def test_a_four_host_emulated_topology_trains_digits_end_to_end(tmp_path):
 async def test_finish_reaches_the_scheduler_on_its_emulated_host(tmp_path):
     """finish() (through the status relay) ends a job that would otherwise run for minutes; the report
     names the reason."""
-    hosts_file = _hosts_file(tmp_path, "10.231.13.0/24", ["a", "b"])
+    hosts_file = _hosts_file(tmp_path, "10.231.16.0/24", ["a", "b"])
     cfg = _job_file(tmp_path, [("scheduler", "scheduler", "a", 'bind = "tcp://127.0.0.1:47100"'),
                                ("ps0", "ps", "a", ""), ("cpu0", "cpu_worker", "b", "batch_size = 16")],
                     target=1.0, epochs=1000, max_seconds=150)

@@ -26,6 +26,9 @@ from hmp.manager.spec import load_job, loads_job, topology
 from hmp.messages import Submit
 from hmp.transport.endpoint import Client
 
+# one worker runs the module: its emulated hosts (one subnet) are shared
+pytestmark = pytest.mark.xdist_group("emulated-jobs")
+
 BIN = Path(sys.executable).parent
 
 

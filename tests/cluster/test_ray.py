@@ -23,6 +23,9 @@ from hmp.errors import ConfigError
 from hmp.transport.shm import cleanup_stale
 from tests.support import digits_job_text, free_port, write_config
 
+# one worker runs the module: one Ray instance, one emulated subnet
+pytestmark = pytest.mark.xdist_group("ray")
+
 ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'hmp[ray]')")
 
 from hmp.ray_engine import RayCluster  # noqa: E402  (needs ray)
@@ -30,6 +33,8 @@ from hmp.ray_engine import RayCluster  # noqa: E402  (needs ray)
 LAUNCH = [sys.executable, "-m", "hmp.launch"]
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 SUBNET = "10.231.13.0/24"  # the emulated-hosts tests' own range, apart from tests/cluster/test_emulate.py's
+#: this module's job name: its shared-memory check must not see the segments of a test running beside it
+JOB = "raytest"
 
 
 #: Where the module's Ray instance exports its metrics (Ray's metrics agent: only with ray[default]).
@@ -59,7 +64,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def assert_nothing_left(daemon_pids: list[int], job_name: str = "test") -> None:
+def assert_nothing_left(daemon_pids: list[int], job_name: str = JOB) -> None:
     """No daemon process, no actor holding resources, no live placement group, no shared-memory file of the job."""
     deadline = time.monotonic() + 15
     while True:
@@ -86,7 +91,7 @@ def test_ray_is_optional(tmp_path):
     fake = tmp_path / "noray" / "ray"  # a `ray` that cannot be imported, as where it is not installed
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named ray')\n")
-    cfg = write_config(tmp_path)
+    cfg = write_config(tmp_path, name=JOB)
     env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run([*LAUNCH, "--engine", "ray", str(cfg)], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2, r.stderr
@@ -170,7 +175,7 @@ def test_two_ray_nodes_on_two_emulated_hosts(tmp_path):
 async def test_host_no_ray_node_has_is_a_config_error(tmp_path, ray_address):
     """A node whose host no Ray node offers would wait forever: a ConfigError naming the key, nothing started.
     Restarts, not supported under Ray yet, are refused the same way."""
-    cfg = write_config(tmp_path)
+    cfg = write_config(tmp_path, name=JOB)
     text = cfg.read_text()
     cfg.write_text(text.replace("[model]", "restarts = {cpu_worker = 1}\n\n[model]", 1))
     with pytest.raises(ConfigError, match=r"job\.restarts.*cpu_worker = 1"):
@@ -185,7 +190,7 @@ async def test_host_no_ray_node_has_is_a_config_error(tmp_path, ray_address):
 def test_launch_engine_ray(tmp_path, ray_address):
     """`hmp-launch --engine ray --address ADDR CONFIG` trains the digits job to its target on the Ray cluster;
     each daemon's log and the report are where the launcher runs; nothing is left."""
-    cfg = write_config(tmp_path, target=0.9, workers="cpu")
+    cfg = write_config(tmp_path, name=JOB, target=0.9, workers="cpu")
     r = subprocess.run([*LAUNCH, "--engine", "ray", "--address", ray_address, str(cfg)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -207,7 +212,7 @@ def test_launch_engine_ray(tmp_path, ray_address):
 async def test_killed_actor_is_a_lost_node(tmp_path, ray_address):
     """Through the API: a worker's actor killed with ray.kill mid-job is a lost node (its daemon stops with it,
     Ray's error is logged and reported); the other worker trains on and the job ends with a report."""
-    cfg = write_config(tmp_path, target=0.999, epochs=1000, max_seconds=60)
+    cfg = write_config(tmp_path, name=JOB, target=0.999, epochs=1000, max_seconds=60)
     async with RayCluster(cfg) as cluster:
         assert cluster.placement["scheduler"]["address"].startswith("tcp://")
         pids = [p["pid"] for p in cluster.placement.values()]
@@ -250,7 +255,7 @@ def test_a_killed_launcher_leaves_nothing(tmp_path, ray_address):
     """`hmp-launch --engine ray` killed with SIGKILL mid-job: Ray kills its actors (none is detached), each daemon
     gets SIGTERM from its keeper's death and stops gracefully; no process, actor, placement group or shared
     memory is left."""
-    cfg = write_config(tmp_path, target=0.999, epochs=1000, max_seconds=60)
+    cfg = write_config(tmp_path, name=JOB, target=0.999, epochs=1000, max_seconds=60)
     launcher = subprocess.Popen([*LAUNCH, "--engine", "ray", "--address", ray_address, str(cfg)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     logs = tmp_path / "run" / "logs"

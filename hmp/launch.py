@@ -148,7 +148,7 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"  {lost['node']} lost at {lost['t']:.1f} s: its Ray actor died ({lost['error']})")
     if report.get("work_redone"):
         print(f"  work redone: {report['work_redone']} examples handed out again")
-    print(f"report: {cfg.report_dir / 'report.json'}, plot: {cfg.report_dir / 'loss.png'}")
+    print(f"report: {cfg.report_dir / 'report.json'}" + (f", plot: {cfg.report_dir / 'loss.png'}" if cfg.job.plot else ""))
     return 0
 
 

@@ -110,13 +110,46 @@ def batch_size_changes(points: list[dict[str, Any]]) -> list[list[float]]:
     return out
 
 
-def write_report(report: RunReport, out_dir: Path) -> tuple[Path, Path]:
-    """Write ``report.json`` and ``loss.png`` into ``out_dir`` (created); returns both paths."""
+def write_report(report: RunReport, out_dir: Path, plot: bool = True) -> tuple[Path, Path | None]:
+    """Write ``report.json`` and, with ``plot``, ``loss.png`` into ``out_dir`` (created); returns both paths
+    (the plot's None without one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = report.to_json()
     jpath, ppath = out_dir / "report.json", out_dir / "loss.png"
     tmp = jpath.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(jpath)
-    plot_report(data, ppath, f"{report.job}: loss, throughput and update shares ({report.consistency}, {report.policy})")
+    if not plot:
+        return jpath, None
+    draw(data, ppath)
     return jpath, ppath
+
+
+def draw(data: dict[str, Any], path: Path) -> None:
+    """``loss.png`` of a report's JSON."""
+    plot_report(data, path, f"{data['job']}: loss, throughput and update shares ({data['consistency']}, "
+                            f"{data['policy']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hmp.report RUN_DIR``: draw ``loss.png`` from the run's ``report.json`` (for a job that ran
+    with ``[job] plot = false``)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hmp.report RUN_DIR  (the folder holding report.json)", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    try:
+        data = json.loads((run_dir / "report.json").read_text())
+    except (OSError, ValueError) as exc:
+        print(f"hmp.report: cannot read {run_dir / 'report.json'}: {exc}", file=sys.stderr)
+        return 2
+    draw(data, run_dir / "loss.png")
+    print(run_dir / "loss.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

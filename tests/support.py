@@ -86,6 +86,7 @@ def digits_job_text(tmp: Path, *, name: str, consistency: str = "async", target:
 name = "{name}"
 report_dir = "{tmp / 'run'}"
 heartbeat_interval_s = 0.3
+plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 
 [model]
@@ -172,6 +173,7 @@ def pipeline_config(tmp, *, epochs=2, max_seconds=25.0, workers=("cpu0", "cpu1",
 name = "pipe"
 report_dir = "{tmp / 'run'}"
 heartbeat_interval_s = 0.5
+plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 
 [model]
@@ -406,6 +408,7 @@ def scheduler_config(*, target_accuracy=0.0, target_loss=0.0, max_seconds=600.0,
     text = f"""
 [job]
 heartbeat_interval_s = {SCHEDULER_HB}
+plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = {join_timeout_s}
 {restarts}
 
@@ -500,6 +503,7 @@ def sparse_click_config(tmp: Path, *, optimizer: str = "adam", consistency: str 
 name = "sparse"
 report_dir = "{tmp / 'run'}"
 heartbeat_interval_s = 0.25
+plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 
 [model]

@@ -258,6 +258,8 @@ class JobConfig:
                             "(env HMP_JOB_TOKEN); daemons started by hand without one accept any token")
     restarts: dict = _field({}, "per role, how many times the launcher restarts a crashed daemon of that role, "
                                 "e.g. {cpu_worker = 2, ps = 1}; a restarted daemon rejoins the running job")
+    plot: bool = _field(True, "draw loss.png beside report.json at the end (about a second of CPU); false: "
+                              "report.json only (`python -m hmp.report RUN_DIR` draws the plot later)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -485,7 +485,7 @@ class SchedulerNode(Node):
         if self.placement is not None:
             self.core.run_report.pipeline = self.placement.report()
         report = self.core.finish_report(final, time.monotonic())
-        paths = await self.in_thread(write_report, report, self.cfg.report_dir)
+        paths = await self.in_thread(write_report, report, self.cfg.report_dir, self.cfg.job.plot)
         self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
                       report=str(paths[0]))
 

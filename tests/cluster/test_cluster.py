@@ -27,6 +27,7 @@ BIN = os.path.join(os.path.dirname(sys.executable), "hmp-launch")
 def test_digits_job_through_hmp_launch(tmp_path):
     """bin/hmp-launch trains the digits MLP across 5 daemons to >= 95% and writes the report and plot."""
     cfg = write_config(tmp_path)
+    cfg.write_text(cfg.read_text().replace("plot = false", "plot = true"))
     proc = subprocess.run([BIN, str(cfg)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "final test accuracy" in proc.stdout

@@ -52,6 +52,7 @@ def _pipeline_job_whose_evaluation_fails(tmp) -> str:
 name = "evalfail"
 report_dir = "{tmp / 'run'}"
 heartbeat_interval_s = 0.3
+plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 
 [model]
 name = "deep_mlp"

@@ -381,6 +381,7 @@ RING_JOB = """
 [job]
 name = "ring"
 heartbeat_interval_s = 0.3
+plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 
 [model]
 name = "digits_mlp"

@@ -76,3 +76,21 @@ def test_the_figure_of_a_report_without_points_says_so(tmp_path):
                         tmp_path / "empty.png")
     assert drawn == {"loss": {}, "throughput": {}, "update shares": {}}
     assert (tmp_path / "empty.png").stat().st_size > 1000
+
+
+def test_without_plot_only_report_json_is_written_and_python_m_hmp_report_draws_it_later(tmp_path, capsys):
+    from hmp.report import main
+
+    report = RunReport(job="j", config="c.toml", consistency="sync", policy="static")
+    report.add_sample("cpu0", 0.5, {"updates": 5, "loss": 2.0, "batch_size": 16})
+    report.add_sample("cpu0", 1.0, {"updates": 10, "loss": 1.0, "batch_size": 16})
+    report.finish_worker("cpu0", {"updates": 10, "samples": 160, "samples_per_s": 20.0, "busy_fraction": 0.5,
+                                  "batch_size": 16})
+    jpath, ppath = write_report(report, tmp_path, plot=False)
+    assert jpath.exists() and ppath is None and not (tmp_path / "loss.png").exists()
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and str(tmp_path / "nowhere" / "report.json") in err

@@ -61,7 +61,7 @@ def free_port() -> int:
         return port
     raise RuntimeError(f"no free loopback port in [{low}, {high})")
 SGD = 'name = "sgd"\nlr = 0.05\nmomentum = 0.9'
-HB_JOB = 0.3  # the heartbeat interval of digits_job_text's jobs (seconds)
+HB_JOB = 0.5  # the heartbeat interval of digits_job_text's jobs (seconds)
 
 
 def nodes_toml(*nodes: tuple[str, str] | tuple[str, str, str]) -> str:
@@ -85,7 +85,7 @@ def digits_job_text(tmp: Path, *, name: str, consistency: str = "async", target:
 [job]
 name = "{name}"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 
@@ -502,7 +502,7 @@ def sparse_click_config(tmp: Path, *, optimizer: str = "adam", consistency: str 
 [job]
 name = "sparse"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.25
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 

@@ -33,7 +33,7 @@ from hmp.ps.checkpoint import CheckpointError, previous_checkpoint
 from hmp.ps.shard_core import ShardCore
 from hmp.transport.endpoint import Client
 
-from tests.support import Daemons, client_of, daemon_env, running, shard_grads, shard_job_config, until
+from tests.support import HB_JOB, Daemons, client_of, daemon_env, running, shard_grads, shard_job_config, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -281,7 +281,7 @@ async def test_a_shard_that_loses_its_scheduler_writes_a_final_checkpoint(tmp_pa
                     await cpu.request(Push(keys=keys, grads=grads))
             assert not node.checkpoint_path.exists()
             scheduler.kill()
-            await until(lambda: node.failed is not None, 3 * 0.3 + 2, "the scheduler declared lost")
+            await until(lambda: node.failed is not None, 3 * HB_JOB + 2, "the scheduler declared lost")
             assert "scheduler lost" in node.failed
             assert await asyncio.wait_for(asyncio.shield(task), 15) == 1
             assert _version_on_disk(node.checkpoint_path) == 3

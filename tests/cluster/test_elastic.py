@@ -47,6 +47,17 @@ async def _until_state(cluster: LocalCluster, node: str, state: str, timeout_s: 
     pytest.fail(f"{node} not {state} within {timeout_s} s: {st and st['members']}")
 
 
+async def _trains_on(cluster: LocalCluster, worker: str, more: int = 20, timeout_s: float = 30) -> None:
+    """Until ``worker`` has reported ``more`` updates beyond its count now: the job went on."""
+    async def updates() -> int:
+        return int(((await cluster.status() or {}).get("workers", {}).get(worker) or {}).get("updates", 0))
+
+    target, deadline = await updates() + more, time.monotonic() + timeout_s
+    while await updates() < target:
+        assert time.monotonic() < deadline, f"{worker} did not train on"
+        await asyncio.sleep(0.1)
+
+
 def _report(tmp: Path) -> dict:
     return json.loads((tmp / "run" / "report.json").read_text())
 
@@ -58,23 +69,25 @@ def _events(report: dict, node: str) -> list[str]:
 @pytest.mark.parametrize("consistency", ["async", "sync"])
 async def test_a_killed_worker_does_not_end_a_ps_job(tmp_path, consistency):
     """SIGKILL of a worker mid-job: the scheduler drops it within the heartbeat bound, the shards stop waiting for
-    it (sync rounds), and the survivor trains on to the target; the report names the lost worker. In async mode
-    the data goes first come first served: the range the dead worker held is handed out again."""
+    it (sync rounds), and the survivor trains on (then the test finishes the job); the report names the lost
+    worker. In async mode the data goes first come first served: the range the dead worker held is handed out
+    again."""
     policy = "hogbatch" if consistency == "async" else "static"
-    cfg = write_config(tmp_path, consistency=consistency, policy=policy, target=0.9, epochs=200, max_seconds=120,
+    cfg = write_config(tmp_path, consistency=consistency, policy=policy, target=0.0, epochs=200, max_seconds=120,
                        optimizer=SLOW)
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster)
         cluster.kill("gpu0", signal.SIGKILL)
         detected = await _until_state(cluster, "gpu0", "lost", 10)
-        report = await cluster.train(timeout_s=150)
+        await _trains_on(cluster, "cpu0")
+        await cluster.finish("the survivor trained on")
+        report = await cluster.train(timeout_s=60)
         assert cluster.worker_exits == {"gpu0": -signal.SIGKILL}
         assert all(p.returncode == 0 for n, p in cluster.procs.items() if n != "gpu0")
     # 3 intervals of silence, plus the last heartbeat's age, a tick and this poll on a shared machine.
     assert detected < 4 * HB + 1.0, detected
     assert _events(report, "gpu0") == ["lost"], report["membership"]
-    assert report["final"]["stop_reason"].startswith("target accuracy")
-    assert report["final"]["best_reported_accuracy"] >= 0.9
+    assert "the survivor trained on" in report["final"]["stop_reason"], report["final"]
     if consistency == "async":
         assert report["work_redone"] > 0
     assert report["final"]["elapsed_s"] > report["membership"][0]["t"]  # it went on after the loss
@@ -83,20 +96,23 @@ async def test_a_killed_worker_does_not_end_a_ps_job(tmp_path, consistency):
 
 
 async def test_a_hung_worker_is_dropped_and_the_job_completes(tmp_path):
-    """SIGSTOP of a worker (a hang): it is lost within the heartbeat bound and the job completes without it."""
-    cfg = write_config(tmp_path, target=0.9, epochs=200, max_seconds=120, optimizer=SLOW)
+    """SIGSTOP of a worker (a hang): it is lost within the heartbeat bound and the job goes on and completes
+    without it."""
+    cfg = write_config(tmp_path, target=0.0, epochs=200, max_seconds=120, optimizer=SLOW)
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster)
         cluster.kill("gpu0", signal.SIGSTOP)
         try:
             detected = await _until_state(cluster, "gpu0", "lost", 10)
-            code = await asyncio.wait_for(cluster.procs["scheduler"].wait(), 150)
+            await _trains_on(cluster, "cpu0")
+            await cluster.finish("the job went on without gpu0")
+            code = await asyncio.wait_for(cluster.procs["scheduler"].wait(), 60)
         finally:
             cluster.kill("gpu0", signal.SIGCONT)
         assert code == 0, cluster.log_tail("scheduler", 30)
     assert detected < 4 * HB + 1.0, detected
     report = _report(tmp_path)
-    assert _events(report, "gpu0") == ["lost"] and report["final"]["best_reported_accuracy"] >= 0.9
+    assert _events(report, "gpu0") == ["lost"] and "without gpu0" in report["final"]["stop_reason"]
 
 
 async def test_fewer_live_workers_than_min_workers_fails_the_job(tmp_path):
@@ -157,7 +173,7 @@ def _slow_heartbeats(tmp_path: Path) -> Path:
     """A long job whose heartbeat interval is long: a frozen peer is not declared lost during the test, so that
     the scheduler's own stop cannot be what ends the worker."""
     cfg = write_config(tmp_path, target=1.0, epochs=1000, max_seconds=120)
-    cfg.write_text(cfg.read_text().replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 3.0"))
+    cfg.write_text(cfg.read_text().replace("heartbeat_interval_s = 0.5", "heartbeat_interval_s = 3.0"))
     return cfg
 
 
@@ -269,7 +285,7 @@ async def test_a_ring_member_blocked_on_a_frozen_member_stops_promptly_on_sigter
     step 1 s to carry its stop vote, then abandon the ring and exit 0, not after the collective timeout (60 s).
     Heartbeats are slow, so that w1 is not declared lost meanwhile (which would re-form the ring)."""
     cfg = ring_config(tmp_path, workers=2, target=1.0, epochs=1000, max_seconds=120)
-    cfg.write_text(cfg.read_text().replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 3.0"))
+    cfg.write_text(cfg.read_text().replace("heartbeat_interval_s = 0.5", "heartbeat_interval_s = 3.0"))
     async with LocalCluster(cfg, grace_s=5) as cluster:
         await _until_training(cluster, ("w0", "w1"), updates=10)
         code, waited = await _sigterm_cpu0_while_frozen(cluster, "w1", settle_s=0.5, victim="w0")

@@ -121,7 +121,7 @@ def test_core_averages_the_predicted_iteration_time_over_the_run():
 JOB = """
 [job]
 name = "tiny"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 
 [model]

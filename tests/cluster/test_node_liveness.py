@@ -19,10 +19,10 @@ from tests.support import free_port, write_config
 async def test_steps_and_evaluations_longer_than_three_heartbeats_do_not_lose_the_worker(tmp_path):
     """A worker whose every step and evaluation outlasts three heartbeat intervals keeps heartbeating: the job
     completes and the scheduler declares no node lost."""
-    interval = 0.2
+    interval = 0.3
     path = write_config(tmp_path, workers="cpu", target=0.0, epochs=1, max_seconds=120)
     text = (path.read_text()
-            .replace("heartbeat_interval_s = 0.3", f"heartbeat_interval_s = {interval}")
+            .replace("heartbeat_interval_s = 0.5", f"heartbeat_interval_s = {interval}")
             # ~13 M parameters at batch 1024: seconds of forward/backward per step on one core.
             .replace('name = "digits_mlp"', 'name = "deep_mlp"\nargs = { in_features = 64, width = 2048, depth = 4 }')
             .replace("batch_size = 16", "batch_size = 1024")
@@ -51,7 +51,7 @@ def _pipeline_job_whose_evaluation_fails(tmp) -> str:
 [job]
 name = "evalfail"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 
 [model]

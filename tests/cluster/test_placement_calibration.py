@@ -22,9 +22,8 @@ async def test_a_pipeline_job_reports_its_calibrated_prediction(tmp_path):
     and the measurements, and the scaled accel type gets a compute scale from its real worker."""
     from hmp.cluster import LocalCluster
 
-
-    # long enough that a quiet machine still runs a plan past the calibration minimum (8 steps, 1 s)
-    async with LocalCluster(pipeline_config(tmp_path, epochs=8)) as cluster:
+    # 6 epochs of 4000 samples at batch 512: ~45 steps, past the calibration minimum (8 steps, 1 s)
+    async with LocalCluster(pipeline_config(tmp_path, epochs=6, samples=4000)) as cluster:
         report = await cluster.train(timeout_s=90)
     pipe = report["pipeline"]
     assert all(set(lay["micro_batch_ms"]) == {"cpu", "accel"} for lay in pipe["profile"])

@@ -380,7 +380,7 @@ def test_rays_metrics_export_carries_what_was_recorded(ray_address):
 RING_JOB = """
 [job]
 name = "ring"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 
 [model]

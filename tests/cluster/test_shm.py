@@ -442,7 +442,7 @@ def _ps_config(tmp: Path, job: str, shm_enabled: bool) -> Path:
 [job]
 name = "{job}"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 120
 

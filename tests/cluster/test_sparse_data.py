@@ -76,7 +76,7 @@ def job_text(tmp: Path, *, data: str, model: str | None = None, args: str = "{ n
 [job]
 name = "sparse"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 

@@ -117,7 +117,7 @@ def job_text(tmp: Path, *, model: str, args: str, data: str, train: str = "", op
 [job]
 name = "{name}"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 plot = false  # the tests read report.json; drawing loss.png is the slow part of a short job's end
 join_timeout_s = 60
 
@@ -473,7 +473,7 @@ def test_breast_cancer_through_hmp_launch_raw_then_standardized(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("standardize = true") == 1, done.stderr[-3000:]
     raw_acc = final_accuracy(done.stdout)
-    cfg = write_job(tmp_path, model=ref, args="{ in_features = 30, classes = 2 }",
+    cfg = write_job(tmp_path, model=ref, args="{ in_features = 30, classes = 2 }", train="target_accuracy = 0.93",
                     data=f'kind = "npz"\npath = "{files["bc.npz"].name}"\nstandardize = true')
     done = launch(cfg)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -491,7 +491,8 @@ async def test_wine_svmlight_and_an_image_cnn_through_the_api(tmp_path):
 
     files = write_data(tmp_path)
     cfg = write_job(tmp_path, model=model_ref(tmp_path, "TabularNet"), args="{ in_features = 13, classes = 3 }",
-                    data=f'kind = "svmlight"\npath = "{files["wine.svm"].name}"\nstandardize = true')
+                    data=f'kind = "svmlight"\npath = "{files["wine.svm"].name}"\nstandardize = true',
+                    train="target_accuracy = 0.9")
     async with hmp.LocalCluster(cfg) as cluster:
         report = await cluster.train(timeout_s=120)
     acc, peer = report["final"]["test_accuracy"], logistic_regression_accuracy(cfg)
@@ -500,7 +501,7 @@ async def test_wine_svmlight_and_an_image_cnn_through_the_api(tmp_path):
 
     cfg = write_job(tmp_path, model=model_ref(tmp_path, "SmallCNN"), args="{ classes = 10 }",
                     data=f'kind = "npz"\npath = "{files["images.npz"].name}"',
-                    batch_size=64, epochs=15)
+                    batch_size=64, epochs=15, train="target_accuracy = 0.9")
     async with hmp.LocalCluster(cfg) as cluster:
         report = await cluster.train(timeout_s=120)
     print(f"digits images, SmallCNN: {report['final']['test_accuracy']:.3f}")

@@ -31,7 +31,7 @@ def _mutated(tmp_path, edit) -> Path:
     (lambda t: t + "\n[limits]\nmax_frames = -1\n", "limits.max_frames"),
     (lambda t: t + "\n[limits]\nmax_message_bytes = 0\n", "limits.max_message_bytes"),
     (lambda t: t + "\n[limits]\nrequest_timeout_s = -1\n", "limits.request_timeout_s"),
-    (lambda t: t.replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 0"), "job.heartbeat_interval_s"),
+    (lambda t: t.replace("heartbeat_interval_s = 0.5", "heartbeat_interval_s = 0"), "job.heartbeat_interval_s"),
     (lambda t: t.replace('kind = "digits"', 'kind = "digits"\ntest_fraction = 2.0'), "data.test_fraction"),
     (lambda t: re.sub(r'bind = "tcp://127.0.0.1:\d+"', 'bind = "tcp://127.0.0.1:notaport"', t, count=1),
      "nodes[0].bind"),

@@ -16,6 +16,7 @@ from hmp.cluster import JobFailed, LocalCluster
 from hmp.errors import RemoteError
 from hmp.job import load
 from hmp.messages import Ack, Heartbeat, Shutdown, Status
+from hmp.nodes.forkserver import ForkServer
 from hmp.transport.endpoint import Client, Server
 
 from tests.support import curve_keys, write_config
@@ -25,13 +26,11 @@ TOKEN = "a" * 32
 
 @contextlib.asynccontextmanager
 async def _daemon(role: str, config: Path, node_id: str, token: str = TOKEN, log: Path | None = None):
-    """One daemon as its own process (``python -m hmp.nodes.main``); stopped with SIGTERM (then waited
-    for) however the test ends."""
-    env = {**os.environ, "HMP_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-    out = open(log or config.parent / f"{node_id}.log", "wb")  # noqa: SIM115
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "hmp.nodes.main", role, "--config",
-                                                str(config), "--id", node_id, "--log-format", "json",
-                                                stdout=out, stderr=out, env=env, start_new_session=True)
+    """One daemon, forked from the test process's fork server as ``python -m hmp.nodes.main`` would run it;
+    stopped with SIGTERM (then waited for) however the test ends."""
+    proc = await ForkServer.shared().spawn(
+        [role, "--config", str(config), "--id", node_id, "--log-format", "json"],
+        env={**os.environ, "HMP_JOB_TOKEN": token}, log=str(log or config.parent / f"{node_id}.log"))
     try:
         yield proc
     finally:
@@ -43,7 +42,6 @@ async def _daemon(role: str, config: Path, node_id: str, token: str = TOKEN, log
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        out.close()
 
 
 async def _until_serving(address: str, token: str = TOKEN, timeout_s: float = 30.0) -> dict:

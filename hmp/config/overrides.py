@@ -1,6 +1,7 @@
 """Config values from the command line: ``hmp-launch JOB.toml train.lr=0.1 cluster.cpu_workers=8``.
 
-An override is ``SECTION.KEY=VALUE`` (deeper for tables: ``model.args.hidden=[64,32]``); the value is TOML
+An override is ``SECTION.KEY=VALUE`` (deeper for tables: ``model.args.hidden=[64,32]``; a node's key by its
+id: ``nodes.gpu0.device=cuda``); the value is TOML
 (``0.1``, ``true``, ``[64, 32]``, ``{ a = 1 }``, ``"text"``), and text without quotes is taken as a string
 where it is not TOML or where the key is a string key (``train.consistency=sync``, ``job.name=2024``).
 :func:`apply` sets the values into the file's tables, which then go through the same checks as the file's
@@ -78,31 +79,50 @@ def _field_type(key: tuple[str, ...]) -> Any:
 
 def apply(raw: dict[str, Any], overrides: Sequence[Override], path: str) -> dict[str, Any]:
     """A copy of the TOML tables ``raw`` with each override's value set (later ones win); tables on the way are
-    made. ``[[nodes]]`` are not overridden (a ConfigError saying what to do instead). The caller blames the
-    errors (:func:`blame`)."""
+    made. ``nodes.ID.KEY`` sets a key of the ``[[nodes]]`` table with that id. The caller blames the errors
+    (:func:`blame`)."""
     out = copy.deepcopy(raw)
     for o in overrides:
         if o.key[0] == "nodes":
-            raise ConfigError(path, o.dotted, "not set from the command line: [[nodes]] are a list; use a "
-                                              "[cluster] table (cluster.cpu_workers=4, ...) or edit the file")
-        if o.key[0] not in SECTIONS:
+            table, rest = _node_table(out, o, path), o.key[2:]
+        elif o.key[0] in SECTIONS:
+            table, rest = out, o.key
+        else:
             allowed = sorted([*SECTIONS, "nodes"])
             raise ConfigError(path, o.key[0], f"unknown section; expected one of {allowed}")
-        table = out
-        for depth, part in enumerate(o.key[:-1]):
+        done = len(o.key) - len(rest)
+        for depth, part in enumerate(rest[:-1]):
             inner = table.setdefault(part, {})
             if not isinstance(inner, dict):
-                where = ".".join(o.key[:depth + 1])
-                raise ConfigError(path, where, f"a table to set {o.key[depth + 1]!r} in, but it is "
+                where = ".".join(o.key[:done + depth + 1])
+                raise ConfigError(path, where, f"a table to set {rest[depth + 1]!r} in, but it is "
                                                f"{type(inner).__name__} {inner!r}")
             table = inner
-        table[o.key[-1]] = o.value
+        table[rest[-1]] = o.value
     return out
 
 
+def _node_table(raw: dict[str, Any], o: Override, path: str) -> dict[str, Any]:
+    """The ``[[nodes]]`` table ``nodes.ID.KEY`` names (``raw`` is the caller's copy)."""
+    nodes = raw.get("nodes")
+    if len(o.key) < 3:
+        raise ConfigError(path, o.dotted, f"nodes.ID.KEY=VALUE (e.g. nodes.gpu0.device=cuda), got {o.text!r}")
+    if not isinstance(nodes, list):
+        raise ConfigError(path, o.dotted, "a node of the config's [[nodes]] tables; this config has none (with "
+                                          "[cluster] counts, set cluster keys: cluster.cpu_batch_size=16, ...)")
+    for table in nodes:
+        if isinstance(table, dict) and table.get("id") == o.key[1]:
+            return table
+    ids = [t.get("id") for t in nodes if isinstance(t, dict)]
+    raise ConfigError(path, o.dotted, f"the id of a node of [[nodes]], one of {ids}; got {o.key[1]!r}")
+
+
 def _related(key: str, o: Override) -> bool:
-    """Whether the error at ``key`` is about the override's key (the key itself, inside it, or a table holding it)."""
+    """Whether the error at ``key`` is about the override's key (the key itself, inside it, or a table holding it;
+    ``nodes[i].KEY`` for ``nodes.ID.KEY``, whichever node i is)."""
     d = o.dotted
+    if o.key[0] == "nodes" and key.startswith("nodes[") and len(o.key) > 2:
+        return key.partition("].")[2].split(".")[0] == o.key[2]
     return key == d or key.startswith((d + ".", d + "[")) or d.startswith(key + ".")
 
 

@@ -97,10 +97,22 @@ def test_counts_from_the_command_line():
     assert info.value.key == "cluster" and "with cluster.cpu_workers=4 from the command line" in str(info.value)
 
 
-def test_nodes_and_non_tables_are_refused_clearly():
+def test_a_nodes_key_by_id_and_what_is_refused():
+    cfg = config.loads(GOOD_CONFIG, "x.toml", overrides=["nodes.w.batch_size=3", "nodes.w.device=cpu"])
+    assert cfg.node("w").batch_size == 3 and cfg.node("w").device == "cpu"
     with pytest.raises(ConfigError) as info:
-        config.loads(GOOD_CONFIG, "x.toml", overrides=["nodes.w.batch_size=3"])
-    assert info.value.key == "nodes.w.batch_size" and "[cluster] table" in str(info.value)
+        config.loads(GOOD_CONFIG, "x.toml", overrides=["nodes.w.batch_size=-3"])
+    assert info.value.key == "nodes[2].batch_size" and ">= 0" in str(info.value)
+    assert info.value.path == "x.toml with nodes.w.batch_size=-3 from the command line"
+    with pytest.raises(ConfigError) as info:
+        config.loads(GOOD_CONFIG, "x.toml", overrides=["nodes.worker.batch_size=3"])
+    assert info.value.key == "nodes.worker.batch_size" and "one of ['s', 'p', 'w']" in str(info.value)
+    counted = GOOD_CONFIG.split("[[nodes]]")[0] + "[cluster]\nscheduler_port = 5999\n"
+    with pytest.raises(ConfigError) as info:
+        config.loads(counted, "c.toml", overrides=["nodes.cpu0.batch_size=3"])
+    assert "cluster.cpu_batch_size=16" in str(info.value)
+    with pytest.raises(ConfigError, match="nodes.ID.KEY=VALUE"):
+        config.loads(GOOD_CONFIG, "x.toml", overrides=["nodes.w=3"])
     with pytest.raises(ConfigError) as info:
         config.loads(GOOD_CONFIG, "x.toml", overrides=["train.epochs=2", "train.epochs.max=3"])
     assert info.value.key == "train.epochs" and "a table to set 'max' in" in str(info.value)

@@ -18,6 +18,9 @@ from tests.support import digits_job_text
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = str(Path(sys.executable).parent / "hmp-launch")
+#: the missing-CUDA job's join_timeout_s: a launch that waited for its GPU worker would take this long; refusing
+#: it takes seconds (under a minute on a loaded machine)
+JOIN_TIMEOUT_S = 120
 
 
 def counts_job(tmp: Path) -> Path:
@@ -69,18 +72,20 @@ def test_check_of_a_bad_value_exits_2_naming_the_key_and_the_command_line(tmp_pa
 
 def test_a_gpu_worker_without_cuda_is_refused_at_once_by_check_and_by_launch(tmp_path, capsys):
     """CUDA hidden (CUDA_VISIBLE_DEVICES=""): a gpu_worker left on its default device is exit 2 naming
-    nodes[i].device, from --check and from a launch, long before the job's join_timeout_s (60 s), with no daemon
+    nodes[i].device, from --check and from a launch, before the job's join_timeout_s, with no daemon
     started; the same job with the device set to cpu checks clean."""
     path = counts_job(tmp_path)
+    path.write_text(path.read_text().replace("join_timeout_s = 60", f"join_timeout_s = {JOIN_TIMEOUT_S}"))
+    assert f"join_timeout_s = {JOIN_TIMEOUT_S}" in path.read_text()
     for args in (["--check", str(path), "cluster.gpu_workers=1"], [str(path), "cluster.gpu_workers=1"]):
         t0 = time.monotonic()
-        done = run(*args, CUDA_VISIBLE_DEVICES="")
+        done = run(*args, timeout_s=JOIN_TIMEOUT_S + 30, CUDA_VISIBLE_DEVICES="")
         took = time.monotonic() - t0
         assert done.returncode == 2, (args, done.stderr[-3000:])
         assert f"hmp-launch: config error: {path} with cluster.gpu_workers=1 from the command line: key " \
                "'nodes[3].device'" in done.stderr, done.stderr
         assert "torch.cuda.is_available() is false" in done.stderr and "cluster.gpu_device=cpu" in done.stderr
-        assert took < 60, took  # the job's join_timeout_s: it did not wait for a worker that never came
+        assert took < JOIN_TIMEOUT_S, took  # it did not wait for a worker that never came
         assert not (tmp_path / "run").exists(), args
     code = launch_main(["--check", str(path), "cluster.gpu_workers=1", "cluster.gpu_device=cpu"])
     out = capsys.readouterr()

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from hmp import data as data_mod
 from hmp import models
 from hmp.batching import adapter as batching_adapter
 from hmp.config import Config
+from hmp.config import overrides as overrides_mod
 from hmp.errors import ConfigError
 from hmp.flat import Chunk, FlatLayout
 from hmp.hfta.array import FusedArray
@@ -157,21 +158,66 @@ def check_shard_share(cfg: Config) -> None:
             "add PS shards"))
 
 
-def loads(text: str, path: str = "<string>", *, data: bool = False) -> Config:
+def loads(text: str, path: str = "<string>", *, data: bool = False, overrides: Sequence[str] = (),
+          free_port: Callable[[str], int] | None = None) -> Config:
     """Parse TOML text into a :class:`Config` checked by the config and by every subsystem (``data``: and
-    its data loaded and checked against the model, :func:`check_data`)."""
-    cfg = config_mod.loads(text, path)
-    check(cfg, data=data)
+    its data loaded and checked against the model, :func:`check_data`; ``overrides``: ``KEY=VALUE`` from the
+    command line, :mod:`hmp.config.overrides`; ``free_port``: picks a ``[cluster]`` scheduler_port of 0)."""
+    cfg = config_mod.loads(text, path, overrides, free_port=free_port)
+    _check_blamed(cfg, data)
     return cfg
 
 
-def load(path: str | os.PathLike, *, data: bool = False) -> Config:
+def load(path: str | os.PathLike, *, data: bool = False, overrides: Sequence[str] = (),
+         free_port: Callable[[str], int] | None = None) -> Config:
     """Load a TOML config file, checked by the config and by every subsystem (``data``: and its data
     loaded and checked against the model, :func:`check_data`: what the launcher asks for, once, before
-    any daemon starts; the daemons check what they load themselves)."""
-    cfg = config_mod.load(path)
-    check(cfg, data=data)
+    any daemon starts; the daemons check what they load themselves; ``overrides``, ``free_port``: as in
+    :func:`loads`)."""
+    cfg = config_mod.load(path, overrides, free_port=free_port)
+    _check_blamed(cfg, data)
     return cfg
+
+
+def _check_blamed(cfg: Config, data: bool) -> None:
+    """:func:`check`, an error an override caused naming it (as :func:`hmp.config.loads` does for its checks)."""
+    try:
+        check(cfg, data=data)
+    except ConfigError as exc:
+        raise blamed(exc, cfg) from None
+
+
+def blamed(exc: ConfigError, cfg: Config) -> ConfigError:
+    """``exc``, found in ``cfg``, naming the command-line overrides it may come from (:func:`hmp.config.overrides.blame`)."""
+    return overrides_mod.blame(exc, [overrides_mod.parse(o) for o in cfg.overrides]) if cfg.overrides else exc
+
+
+def check_devices(cfg: Config, *, cuda_available: bool | None = None, cuda_devices: int | None = None) -> None:
+    """Every worker's device exists on this machine: a ``cuda`` device (a gpu_worker's default) needs
+    ``torch.cuda.is_available()`` and, for ``cuda:N``, more than N devices. For the launcher of daemons that run
+    here, before any starts (a worker that cannot start would otherwise be waited for until
+    ``join_timeout_s``). ``cuda_available`` / ``cuda_devices``: what torch says, unless given."""
+    for i, n in enumerate(cfg.nodes):
+        if n.role not in config_mod.WORKER_ROLES:
+            continue
+        device = n.device or ("cuda" if n.role == config_mod.Role.GPU_WORKER else "cpu")
+        if not device.startswith("cuda"):
+            continue
+        made = " (made from [cluster] gpu_device)" if cfg.nodes_from_counts else ""
+        if cuda_available is None:
+            cuda_available = torch.cuda.is_available()
+        if not cuda_available:
+            raise ConfigError(cfg.path, f"nodes[{i}].device", (
+                f"a device this machine has: {n.role} {n.id!r} is on {device!r}{made}, but torch.cuda.is_available() "
+                f"is false here (no CUDA device, or a CPU-only torch {torch.__version__}); set device = \"cpu\" to "
+                f"run it on the CPU{', e.g. cluster.gpu_device=cpu' if made else ''}, or run where CUDA is"))
+        index = device.partition(":")[2]
+        if index:
+            count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+            if int(index) >= count:
+                raise ConfigError(cfg.path, f"nodes[{i}].device", (
+                    f"a device this machine has: {n.role} {n.id!r} is on {device!r}{made}, but it has {count} CUDA "
+                    f"device(s): cuda:0 to cuda:{count - 1}"))
 
 
 def with_env(cfg: Config, environ: Mapping[str, str] | None = None) -> Config:

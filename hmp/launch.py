@@ -1,4 +1,10 @@
-"""``hmp-launch CONFIG``: start every daemon of a topology on this host, show progress, stop them all.
+"""``hmp-launch CONFIG [KEY=VALUE ...]``: start every daemon of a topology on this host, show progress, stop them all.
+
+``KEY=VALUE`` arguments override the config's keys (``train.lr=0.1 cluster.cpu_workers=8``, TOML values;
+:mod:`hmp.config.overrides`); the daemons then read the config as this run resolved it, ``<report_dir>/config.toml``
+(:class:`hmp.launcher.base.Launcher`).
+``--check``: check the config, the data and the model (one forward pass of a batch) and exit 0 or 2, starting
+no daemon.
 
 ``--hosts HOSTS.toml``: run each daemon on the emulated host its ``[[nodes]] host`` names (network
 namespaces on a rate-limited bridge, docs/emulate.md; needs root); they are removed afterwards.
@@ -6,8 +12,8 @@ namespaces on a rate-limited bridge, docs/emulate.md; needs root); they are remo
 ``--engine ray [--address ADDR]``: run each daemon as (a child of) a Ray actor on a Ray cluster, or on a local
 Ray instance started for the job without ``--address`` (docs/ray.md; needs ``pip install "hmp[ray]"``).
 
-Exit code 0 when the job finished, 1 when a daemon failed (its log tail is printed) or emulated hosts
-cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
+Exit code 0 when the job finished (or ``--check`` found nothing wrong), 1 when a daemon failed (its log tail is
+printed) or emulated hosts cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -62,24 +69,89 @@ class ProgressBar:
             self.stream.write("\n")
 
 
-async def _launch(args: argparse.Namespace) -> int:
-    # Imported here, not at the top: main() has started the fork server first, so its import of torch and
-    # this process's (through hmp.job) run at once on two cores instead of one after the other (~2 s).
+def free_port(host: str) -> int:
+    """A TCP port free now on ``host``: the scheduler's, where ``[cluster] scheduler_port`` is 0. The OS picks it;
+    the scheduler binds it a moment later (a port the OS gives out this way is not given out again at once)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+def _checked_config(args: argparse.Namespace, pick_port: Any = free_port) -> Any:
+    """The config as this run takes it: the file, the command line's overrides, the environment's; checked by
+    every subsystem, its data loaded and fitted to the model (a bad file or a model that does not fit it is one
+    line and exit 2 before any daemon starts, docs/data.md; the daemons then load only their part), and every
+    worker's device present here (engine local). Advice (e.g. standardize) is one line each on stderr.
+    ``pick_port(host)``: the scheduler's port where ``[cluster] scheduler_port`` is 0."""
     from hmp import job
-    from hmp.cluster import JobFailed, LocalCluster
     from hmp.data import DataWarning
 
-    # The data too, once, here: a bad file or a model that does not fit it is one line and exit 2 before any daemon
-    # starts (docs/data.md); the daemons then load only their part. Advice (e.g. standardize) is one line each.
     with warnings.catch_warnings(record=True) as advice:
         warnings.simplefilter("always", DataWarning)
-        cfg = job.with_env(job.load(args.config, data=True))
-    hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+        cfg = job.with_env(job.load(args.config, data=True, overrides=args.overrides, free_port=pick_port))
     for w in advice:
         if issubclass(w.category, DataWarning):
             print(f"hmp-launch: warning: {w.message}", file=sys.stderr, flush=True)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if args.engine == "local":  # under Ray the workers run on the Ray cluster's nodes, not necessarily this one
+        try:
+            job.check_devices(cfg)
+        except ConfigError as exc:
+            raise job.blamed(exc, cfg) from None
+    return cfg
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``--check``: what a launch checks, then the model built as the daemons build it and run on one batch;
+    a summary on stdout. Starts no daemon and writes nothing."""
+    import torch
+
+    from hmp import job
+    from hmp.data import whole_batch
+
+    picked: list[int] = []
+    cfg = _checked_config(args, lambda host: picked.append(free_port(host)) or picked[-1])
+    ds = job.dataset(cfg)
+    model = job.sharded_model(cfg).model.eval()
+    params = sum(p.numel() for p in model.parameters())
+    rows = min(cfg.train.batch_size, len(ds.x_train))
+    forward = "an HFTA sweep: its members' fused model"
+    if not cfg.sweep.members and rows:
+        try:
+            with torch.no_grad():
+                out = model(whole_batch(ds.x_train[:rows]))
+        except Exception as exc:  # noqa: BLE001 (a user's model may raise anything)
+            raise ConfigError(cfg.path, "model.name", f"a model that runs a batch of {rows} rows; it raised "
+                                                      f"{exc.__class__.__name__}: {exc}") from None
+        forward = f"a batch of {rows} rows gives {list(out.shape) if isinstance(out, torch.Tensor) else type(out)}"
+    roles: dict[str, list[str]] = {}
+    for n in cfg.nodes:
+        if n.role != "scheduler":
+            device = f" ({n.device})" if n.device else ""
+            roles.setdefault(str(n.role), []).append(n.id + device)
+    scheduler = cfg.scheduler.advertise or cfg.scheduler.bind
+    picked_now = " (a free port picked now; a launch picks its own)" if picked else ""
+    print(f"hmp-launch: {args.config}: ready to run; checked the config, the data and the model, started no daemon")
+    if cfg.overrides:
+        print(f"  overrides: {' '.join(cfg.overrides)}")
+    print(f"  nodes: {len(cfg.nodes)}: scheduler at {scheduler}{picked_now}; "
+          + "; ".join(f"{role} {' '.join(ids)}" for role, ids in roles.items()))
+    shape = "x".join(str(d) for d in ds.feature_shape)
+    print(f"  data: {ds.name}: {len(ds.y_train)} training and {len(ds.y_test)} test rows of [{shape}] "
+          f"{'sparse ' if ds.sparse else ''}{ds.x_train.dtype if not ds.sparse else 'float'}, "
+          f"{ds.num_classes} classes{', standardized' if cfg.data.standardize else ''}")
+    print(f"  model: {cfg.model.name}: {params:,} parameters; {forward}")
+    return 0
+
+
+async def _launch(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: main() has started the fork server first, so its import of torch and
+    # this process's (through hmp.job) run at once on two cores instead of one after the other (~2 s).
+    from hmp.cluster import JobFailed, LocalCluster
+
+    cfg = _checked_config(args)
+    hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
     if args.engine == "ray":
         from hmp.ray_engine import RayCluster  # importable: main() checked
     bar = ProgressBar(cfg.train.epochs)
@@ -156,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hmp-launch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", help="topology/job TOML file, e.g. conf/local.toml")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="override a config key, e.g. train.lr=0.1 cluster.cpu_workers=8 model.args.hidden=[64,32] "
+                         "(TOML values; text without quotes is a string)")
+    ap.add_argument("--check", action="store_true",
+                    help="check the config, the data and the model (one forward pass) and exit 0 or 2; start nothing")
     ap.add_argument("--resume", action="store_true", help="PS shards continue from their checkpoints")
     ap.add_argument("--timeout", type=float, default=None, help="fail the job after this many seconds")
     ap.add_argument("--hosts", metavar="HOSTS.toml", default=None,
@@ -164,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="local: every daemon a process of this machine (default); ray: each a Ray actor (docs/ray.md)")
     ap.add_argument("--address", metavar="ADDR", default=None,
                     help="--engine ray: the Ray cluster to join (e.g. auto, 10.0.0.1:6379); default: start a local one")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.engine == "ray" and args.hosts:
         ap.error("--hosts is for the local engine; under Ray, [[nodes]] host names a Ray node (docs/ray.md)")
     if args.address and args.engine != "ray":
@@ -175,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"hmp-launch: --engine ray: {exc}", file=sys.stderr)
             return 2
-    if forkserver.enabled() and args.engine == "local":
+    if args.check:
+        if args.resume or args.hosts or args.timeout is not None:
+            ap.error("--check starts nothing: no --resume, --hosts or --timeout with it")
+    elif forkserver.enabled() and args.engine == "local":
         forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
     try:
-        return uvloop.run(_launch(args))
+        return _check(args) if args.check else uvloop.run(_launch(args))
     except ConfigError as exc:
         print(f"hmp-launch: config error: {exc}", file=sys.stderr)
         return 2

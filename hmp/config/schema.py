@@ -280,6 +280,25 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """A topology by count (``[cluster]``): the ``[[nodes]]`` it stands for are made at load
+    (:func:`nodes_from_counts`); a config has either this section or ``[[nodes]]`` tables."""
+
+    ps: int = _field(1, "PS shards, ids ps0, ps1, ...; must be 0 with train.consistency = \"allreduce\", "
+                        "which is its default there")
+    cpu_workers: int = _field(1, "CPU workers, ids cpu0, cpu1, ...")
+    gpu_workers: int = _field(0, "GPU workers, ids gpu0, gpu1, ...")
+    host: str = _field("127.0.0.1", "the address every daemon binds and its peers dial (not a wildcard); the "
+                                    "shards and workers bind a free port on it")
+    scheduler_port: int = _field(0, "the scheduler's port, the job's rendezvous point; 0: hmp-launch picks a free "
+                                    "one (LocalCluster and daemons started by hand need a fixed port)")
+    cpu_batch_size: int = _field(0, "each CPU worker's initial batch size; 0 takes [train] batch_size")
+    gpu_batch_size: int = _field(0, "each GPU worker's initial batch size; 0 takes [train] batch_size")
+    gpu_device: str = _field("cuda", "the GPU workers' device: 'cuda', 'cuda:N' or 'cpu' (a machine without CUDA)")
+    threads: int = _field(1, "torch intra-op threads of each daemon (daemons share the cores)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole job: topology plus settings. ``path`` is the file it came from."""
 
@@ -298,6 +317,14 @@ class Config:
     shm: ShmConfig = ShmConfig()
     security: SecurityConfig = SecurityConfig()
     metrics: MetricsConfig = MetricsConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    #: the TOML tables this config was read from, command-line overrides applied and ``[cluster]`` counts written
+    #: out as ``[[nodes]]``: what a file must hold to give this config (:func:`hmp.config.toml_text.resolved_text`)
+    raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: the command-line overrides applied, ``KEY=VALUE`` as given (:mod:`hmp.config.overrides`)
+    overrides: tuple[str, ...] = ()
+    #: the nodes were made from ``[cluster]`` counts, not read from ``[[nodes]]``
+    nodes_from_counts: bool = False
 
     def node(self, node_id: str) -> NodeConfig:
         for n in self.nodes:
@@ -337,7 +364,7 @@ SECTIONS: dict[str, type] = {"job": JobConfig, "model": ModelConfig, "data": Dat
                              "train": TrainConfig, "ps": PSConfig, "limits": LimitsConfig,
                              "sweep": SweepConfig, "placement": PlacementConfig, "collective": CollectiveConfig,
                              "shm": ShmConfig, "security": SecurityConfig,
-                             "metrics": MetricsConfig}
+                             "metrics": MetricsConfig, "cluster": ClusterConfig}
 
 
 def _type_name(t: Any) -> str:
@@ -371,24 +398,139 @@ def _build(cls: type, table: Any, path: str, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def loads(text: str, path: str = "<string>") -> Config:
-    """Parse TOML text into a validated :class:`Config`."""
+#: ``free_port(host)``: a port free now on ``host``, for a ``[cluster]`` scheduler_port of 0 (hmp-launch's)
+FreePort = typing.Callable[[str], int]
+
+
+def loads(text: str, path: str = "<string>", overrides: typing.Sequence[str] = (), *,
+          free_port: FreePort | None = None) -> Config:
+    """Parse TOML text into a validated :class:`Config`; ``overrides``: ``KEY=VALUE`` strings from the
+    command line (:mod:`hmp.config.overrides`), applied over the file's values and checked like them;
+    ``free_port``: picks the scheduler's port where ``[cluster] scheduler_port`` is 0 (None: an error)."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "<file>", f"valid TOML ({exc})") from None
+    return from_raw(raw, path, overrides, free_port=free_port)
+
+
+def from_raw(raw: dict[str, Any], path: str = "<string>", overrides: typing.Sequence[str] = (), *,
+             free_port: FreePort | None = None) -> Config:
+    """A validated :class:`Config` from TOML tables (``raw`` is not changed); ``overrides`` and ``free_port`` as
+    in :func:`loads`. An error an override causes names it and says it came from the command line."""
+    from hmp.config import overrides as overrides_mod  # it builds on this module
+
+    given = tuple(overrides)
+    if not given:
+        return _from_raw(raw, path, free_port)
+    parsed = [overrides_mod.parse(o) for o in given]
+    try:
+        cfg = _from_raw(overrides_mod.apply(raw, parsed, path), path, free_port)
+    except ConfigError as exc:
+        raise overrides_mod.blame(exc, parsed) from None
+    return dataclasses.replace(cfg, overrides=given)
+
+
+def _from_raw(raw: dict[str, Any], path: str, free_port: FreePort | None = None) -> Config:
     allowed = set(SECTIONS) | {"nodes"}
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise ConfigError(path, unknown[0], f"unknown section; expected one of {sorted(allowed)}")
     sections = {name: _build(cls, raw.get(name, {}), path, name) for name, cls in SECTIONS.items()}
+    raw = dict(raw)
+    counted = "cluster" in raw
+    if counted:
+        if "nodes" in raw:
+            raise ConfigError(path, "cluster", "either a [cluster] table (a topology by count) or [[nodes]] tables, "
+                                               "not both")
+        counts = sections["cluster"]
+        if counts.scheduler_port == 0 and free_port is not None:
+            counts = dataclasses.replace(counts, scheduler_port=free_port(counts.host))
+        raw["nodes"] = nodes_from_counts(counts, sections["train"], path, ps_given="ps" in raw["cluster"])
+        del raw["cluster"]  # written out as the nodes
+        sections["cluster"] = counts
     nodes_raw = raw.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
-        raise ConfigError(path, "nodes", "an array of tables ([[nodes]]) with at least one node per role")
+        raise ConfigError(path, "nodes", "an array of tables ([[nodes]]) with at least one node per role, or a "
+                                         "[cluster] table saying how many of each role")
     nodes = tuple(_build(NodeConfig, n, path, f"nodes[{i}]") for i, n in enumerate(nodes_raw))
-    cfg = Config(path=path, nodes=nodes, **sections)
-    validate(cfg)
+    cfg = Config(path=path, nodes=nodes, raw=raw, nodes_from_counts=counted, **sections)
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        if counted and exc.key.startswith("nodes"):  # a made node's value comes from a [cluster] key: name that
+            raise _cluster_error(exc, cfg) from None
+        raise
     return _typed(cfg)
+
+
+def nodes_from_counts(c: ClusterConfig, train: TrainConfig, path: str, *, ps_given: bool = True) -> list[dict]:
+    """``[cluster]``'s counts as ``[[nodes]]`` tables: the scheduler at ``host:scheduler_port``, then ps0..,
+    cpu0.., gpu0.., each binding a free port on ``host``. ``ps_given``: the file set ``ps`` (else a ring job has
+    none). Bad counts are ConfigErrors naming the ``cluster`` key."""
+    allreduce = train.consistency == Consistency.ALLREDUCE
+    ps = c.ps if ps_given or not allreduce else 0
+    for key in ("ps", "cpu_workers", "gpu_workers", "cpu_batch_size", "gpu_batch_size"):
+        if getattr(c, key) < 0:
+            raise ConfigError(path, f"cluster.{key}", f"an integer >= 0, got {getattr(c, key)!r}")
+    if allreduce and ps:
+        raise ConfigError(path, "cluster.ps", f"0 when train.consistency = \"allreduce\" (the workers sum their "
+                                              f"gradients among themselves, no PS), got {ps}")
+    if not allreduce and not ps:
+        raise ConfigError(path, "cluster.ps", "an integer >= 1 (the PS shards hold the parameters), or "
+                                              "train.consistency = \"allreduce\"")
+    if c.cpu_workers + c.gpu_workers < 1:
+        raise ConfigError(path, "cluster.cpu_workers", "at least one worker: cpu_workers + gpu_workers >= 1")
+    if c.threads < 1:
+        raise ConfigError(path, "cluster.threads", f"an integer >= 1, got {c.threads!r}")
+    if not c.host or c.host in ("*", "0.0.0.0", "::", "[::]") or any(ch in c.host for ch in "/ "):
+        raise ConfigError(path, "cluster.host", f"an address the peers can dial (e.g. 127.0.0.1; not a wildcard, "
+                                                f"no scheme), got {c.host!r}")
+    if not 0 <= c.scheduler_port <= 65535:
+        raise ConfigError(path, "cluster.scheduler_port", f"a port in 1-65535, got {c.scheduler_port!r}")
+    if c.scheduler_port == 0:
+        raise ConfigError(path, "cluster.scheduler_port", "a fixed port for the scheduler (the rendezvous point): "
+                                                          "hmp-launch picks a free one for 0, but LocalCluster and "
+                                                          "daemons started by hand need it written")
+    if not (c.gpu_device == "cpu" or c.gpu_device == "cuda" or
+            (c.gpu_device.startswith("cuda:") and c.gpu_device[5:].isdigit())):
+        raise ConfigError(path, "cluster.gpu_device", f"'cpu', 'cuda' or 'cuda:N', got {c.gpu_device!r}")
+    free = f"tcp://{c.host}:0"
+    extra = {"threads": c.threads} if c.threads != 1 else {}
+    nodes: list[dict] = [{"id": "scheduler", "role": str(Role.SCHEDULER), "bind": f"tcp://{c.host}:{c.scheduler_port}",
+                          **extra}]
+    nodes += [{"id": f"ps{i}", "role": str(Role.PS), "bind": free, **extra} for i in range(ps)]
+    for prefix, role, count, batch, device in (("cpu", Role.CPU_WORKER, c.cpu_workers, c.cpu_batch_size, ""),
+                                                ("gpu", Role.GPU_WORKER, c.gpu_workers, c.gpu_batch_size,
+                                                 c.gpu_device)):
+        for i in range(count):
+            node = {"id": f"{prefix}{i}", "role": str(role), "bind": free, **extra}
+            if device:
+                node["device"] = device
+            if batch:
+                node["batch_size"] = batch
+            nodes.append(node)
+    return nodes
+
+
+#: a made node's key -> the [cluster] key its value came from (by role where it differs)
+_CLUSTER_KEYS = {"batch_size": {Role.CPU_WORKER: "cpu_batch_size", Role.GPU_WORKER: "gpu_batch_size"},
+                 "device": {Role.GPU_WORKER: "gpu_device"}, "threads": "threads", "bind": "host",
+                 "hogwild_threads": "threads"}
+
+
+def _cluster_error(exc: ConfigError, cfg: Config) -> ConfigError:
+    """``exc`` about a node made from ``[cluster]`` counts, re-keyed to the ``cluster`` key it came from."""
+    head, _, field = exc.key.partition(".")
+    key = "cluster"
+    if head.startswith("nodes[") and head[6:-1].isdigit() and int(head[6:-1]) < len(cfg.nodes):
+        node = cfg.nodes[int(head[6:-1])]
+        name = _CLUSTER_KEYS.get(field)
+        name = name.get(node.role) if isinstance(name, dict) else name
+        if name:
+            key = f"cluster.{name}"
+        return ConfigError(exc.path, key, f"{exc.expected} (node {node.id!r}, made from the [cluster] counts)")
+    return ConfigError(exc.path, key, f"{exc.expected} (the nodes made from the [cluster] counts)")
 
 
 def _typed(cfg: Config) -> Config:
@@ -399,14 +541,14 @@ def _typed(cfg: Config) -> Config:
                                                  policy=BatchPolicyKind(t.policy)))
 
 
-def load(path: str | os.PathLike) -> Config:
-    """Load and validate a TOML config file."""
+def load(path: str | os.PathLike, overrides: typing.Sequence[str] = (), *, free_port: FreePort | None = None) -> Config:
+    """Load and validate a TOML config file (``overrides``, ``free_port``: see :func:`loads`)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(str(p), "<file>", f"a readable file ({exc.strerror})") from None
-    return loads(text, str(p))
+    return loads(text, str(p), overrides, free_port=free_port)
 
 
 def validate(cfg: Config) -> None:

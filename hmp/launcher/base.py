@@ -25,6 +25,7 @@ import structlog
 
 from hmp import job
 from hmp.config import WORKER_ROLES, Config, Role
+from hmp.config.toml_text import write_run_config
 from hmp.errors import HmpError
 from hmp.launcher import Service, tail
 from hmp.messages import Shutdown, Status
@@ -52,6 +53,8 @@ class Launcher(Service):
     def __init__(self, config: Config | str | os.PathLike, *, env: dict[str, str] | None, resume: bool,
                  grace_s: float, config_path: str | os.PathLike | None = None) -> None:
         self.cfg = config if isinstance(config, Config) else job.load(config)
+        if config_path is None and (self.cfg.overrides or self.cfg.nodes_from_counts):
+            config_path = write_run_config(self.cfg)  # the daemons read this config, which is not its file's
         self.config_path = str(config_path or self.cfg.path)
         self.resume = resume
         self.grace_s = grace_s

@@ -39,8 +39,8 @@ from hmp.manager.utility import UtilityError, make_utility
 
 #: Keys of the ``[submit]`` table.
 SUBMIT_KEYS = ("min_workers", "max_workers", "workers", "model_type", "utility")
-#: Sections a job file may not have: the manager writes them.
-_MANAGED = ("nodes",)
+#: Sections a job file may not have, as a file writes them: the manager writes the topology.
+_MANAGED = {"nodes": "[[nodes]]", "cluster": "[cluster]"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +80,9 @@ def loads_job(text: str, path: str = "<string>") -> JobSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "<file>", f"valid TOML ({exc})") from None
-    for key in _MANAGED:
+    for key, written in _MANAGED.items():
         if key in raw:
-            raise ConfigError(path, key, "no [[nodes]] in a job file: the job manager places the workers "
+            raise ConfigError(path, key, f"no {written} in a job file: the job manager places the workers "
                                          "([submit] min_workers/max_workers/workers say how many)")
     sub = raw.pop("submit", None)
     if sub is None:

@@ -340,8 +340,9 @@ class RingWorkerNode(WorkerBase):
         metrics = {k: self.metrics[k] for k in ("test_accuracy", "test_loss") if k in self.metrics}
         detail = {"step": self.step, "ring_generation": self.ring.generation if self.ring else 0}
         try:
+            stats = self.test_data.stats if self.test_data is not None else None  # [data] standardize's
             await self.in_thread(lambda: write_model(self.cfg.report_dir, self.cfg, model, parameters="ring",
-                                                     metrics=metrics, detail=detail))
+                                                     metrics=metrics, detail=detail, stats=stats))
             self.metrics["model_exported"] = 1.0
         except Exception:
             self.log.exception("model_export_failed")

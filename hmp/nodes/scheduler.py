@@ -462,7 +462,7 @@ class SchedulerNode(Node):
             metrics = {k: final[k] for k in ("test_accuracy", "test_loss") if k in final}
             path = await self.in_thread(lambda: write_model(
                 self.cfg.report_dir, self.cfg, client.model, parameters=final["parameters"], metrics=metrics,
-                detail={"shard_versions": dict(client.shard_versions)}))
+                detail={"shard_versions": dict(client.shard_versions)}, stats=self.dataset.stats))
         except Exception as exc:  # a full disk fails the export, not the job: the report says so
             self.log.exception("model_export_failed")
             return {"model": None, "model_error": f"{exc.__class__.__name__}: {exc}"}

@@ -158,6 +158,7 @@ def _job_text(lo=2, hi=2, want=2, epochs=2, max_seconds=60) -> str:
     (lambda t: t + "\n[other]\nx = 1\n", "other"),
     (lambda t: t.split("[submit]")[0], "submit"),
     (lambda t: t + "\n[[nodes]]\nid = 's'\nrole = 'scheduler'\n", "nodes"),
+    (lambda t: t + "\n[cluster]\ncpu_workers = 2\n", "cluster"),
     (lambda t: t.replace("min_workers = 2", "min_workers = 3"), "submit.max_workers"),
     (lambda t: t.replace("workers = 2\nutility", "workers = 0\nutility"), "submit.workers"),
     (lambda t: t.replace('kind = "linear"', 'kind = "soon"'), "submit.utility.kind"),

@@ -75,7 +75,7 @@ async def test_async_ps_job_trains_in_the_users_loop(tmp_path):
 async def test_sync_wrapper_in_threads_with_a_builtin_worker_in_sync_rounds(tmp_path):
     """Two plain (not async) loops on threads of this process and a built-in CPU worker share sync rounds."""
     cfg = job_config(tmp_path, *SHARDS, ("u0", "user_worker"), ("u1", "user_worker"), ("cpu0", "cpu_worker"),
-                     consistency="sync", epochs=2, extra=PS)
+                     consistency="sync", epochs=5, extra=PS)
     async with LocalCluster(cfg) as cluster:
         def run(node_id: str) -> int:
             with hmp.SyncWorker(cluster.cfg, node_id) as worker:
@@ -84,9 +84,10 @@ async def test_sync_wrapper_in_threads_with_a_builtin_worker_in_sync_rounds(tmp_
         steps = await asyncio.gather(asyncio.to_thread(run, "u0"), asyncio.to_thread(run, "u1"))
         report = await cluster.train(timeout_s=60)
     assert set(report["workers"]) == {"u0", "u1", "cpu0"}
-    # each trains its third of the rows for 2 epochs; in sync rounds every step is one of everyone's
-    assert all(s >= 2 * 15 for s in steps), steps
-    assert report["final"]["test_accuracy"] > 0.7
+    # each trains its third of the rows (15 batches) for 5 epochs, every step one of everyone's in a sync round
+    assert steps == [5 * 15, 5 * 15]
+    assert {w["updates"] for w in report["workers"].values()} == {5 * 15}
+    assert report["final"]["test_accuracy"] > 0.75
 
 
 @pytest.mark.timeout(90)

@@ -144,3 +144,23 @@ def test_the_docs_example_runs_as_a_script(tmp_path):
     accuracy = float(out.stdout.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.85, out.stdout
     assert "workers in the report: mine" in out.stdout
+
+
+@pytest.mark.timeout(90)
+async def test_a_loop_that_raises_leaves_as_failed_and_the_job_goes_on(tmp_path):
+    """Elastic rules: the user's worker that fails is dropped as a crashed one is, while min_workers remain."""
+    cfg = job_config(tmp_path, *SHARDS, ("cpu0", "cpu_worker"), ("mine", "user_worker"), epochs=3, extra=PS)
+    async with LocalCluster(cfg) as cluster:
+        with pytest.raises(ZeroDivisionError):
+            async with hmp.Worker(cluster.cfg, "mine") as worker:
+                async for x, y in worker.batches():
+                    F.cross_entropy(worker.model(x), y).backward()
+                    await worker.step()
+                    if worker.steps == 5:
+                        1 / 0  # noqa: B018 - the user's bug
+        assert worker.failed and "ZeroDivisionError" in worker.failed
+        report = await cluster.train(timeout_s=60)
+    left = [m for m in report["membership"] if m["node"] == "mine"]
+    assert [m["event"] for m in left] == ["failed"] and "ZeroDivisionError" in left[0]["why"]
+    assert report["workers"]["mine"]["updates"] <= 5
+    assert report["workers"]["cpu0"]["updates"] == 3 * 23  # its half of the rows, every epoch

@@ -135,7 +135,7 @@ def test_the_docs_example_runs_as_a_script(tmp_path):
     text = (ROOT / "conf" / "own_loop.toml").read_text()
     text = text.replace("tcp://127.0.0.1:47120", f"tcp://127.0.0.1:{free_port()}")
     text = text.replace('report_dir = "runs/{name}"', f'report_dir = "{tmp_path / "run"}"')
-    text = text.replace("epochs = 8", "epochs = 3")
+    text = text.replace("epochs = 8", "epochs = 3").replace("heartbeat_interval_s = 0.5", "heartbeat_interval_s = 2.0")
     config = tmp_path / "own_loop.toml"
     config.write_text(text)
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "own_loop.py"), str(config)], cwd=ROOT, env=daemon_env(),

@@ -191,6 +191,11 @@ class _Handle:
         return node.failed if node is not None else None
 
     @property
+    def running(self) -> bool:
+        """Whether the worker's node still runs (on its thread): False before start() and once it has left."""
+        return self._host.thread.is_alive()
+
+    @property
     def log_path(self) -> str:
         """This worker's structured log (``<report_dir>/logs/<id>.log``, as each daemon's)."""
         return str(self._host.log_path)
@@ -279,15 +284,13 @@ class SyncWorker(_Handle):
     def start(self) -> SyncWorker:
         """Join the job; returns once admitted, with the job's parameters in :attr:`model`."""
         self._start_thread()
-        try:
-            self._host.ready.result(self.cfg.job.join_timeout_s + START_SLACK_S)
-        except concurrent.futures.TimeoutError:
+        wait_s = self.cfg.job.join_timeout_s + START_SLACK_S
+        done, _ = concurrent.futures.wait({self._host.ready}, timeout=wait_s)
+        if not done:
             self._finish_close("not admitted in time")
-            raise HmpError(f"worker {self.id} was not admitted within {self.cfg.job.join_timeout_s + START_SLACK_S:g} "
-                           f"s (is the job's scheduler running, with this token?)") from None
-        except BaseException as exc:
-            self._joined(exc)
-        self._joined(None)
+            raise HmpError(f"worker {self.id} was not admitted within {wait_s:g} s (is the job's scheduler running, "
+                           f"with this token?)")
+        self._joined(self._host.ready.exception())
         return self
 
     def batches(self) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -312,12 +315,9 @@ class SyncWorker(_Handle):
 
     def _wait(self, what: str, fut: concurrent.futures.Future | None) -> Any:
         if fut is not None:
-            try:
-                fut.result(self.timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise self._timed_out(what, fut) from None
-            except (concurrent.futures.CancelledError, Exception):
-                pass  # read below
+            done, _ = concurrent.futures.wait({fut}, timeout=self.timeout_s)
+            if not done:
+                raise self._timed_out(what, fut)
         return self._answer(fut)
 
     def close(self, failed: str | None = None) -> None:

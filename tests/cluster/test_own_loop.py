@@ -59,7 +59,9 @@ async def test_async_ps_job_trains_in_the_users_loop(tmp_path):
         assert "mine" not in cluster.procs  # the launcher starts every node but the user's
         async with hmp.Worker(cluster.cfg, "mine") as worker:
             assert (worker.index, worker.workers, worker.batch_size) == (0, 1, 32)
+            assert worker.running
             steps = await own_loop(worker)
+        assert not worker.running
         report = await cluster.train(timeout_s=60)
     # 3 epochs of 1437 training rows in batches of 32 (the last of each epoch shorter)
     assert steps == 3 * 45

@@ -166,3 +166,24 @@ async def test_a_loop_that_raises_leaves_as_failed_and_the_job_goes_on(tmp_path)
     assert [m["event"] for m in left] == ["failed"] and "ZeroDivisionError" in left[0]["why"]
     assert report["workers"]["mine"]["updates"] <= 5
     assert report["workers"]["cpu0"]["updates"] == 3 * 23  # its half of the rows, every epoch
+
+
+@pytest.mark.timeout(90)
+async def test_a_ring_of_two_plain_loops_on_threads(tmp_path):
+    """Two SyncWorker members of one ring, on two threads of this process; the first stops the ring early."""
+    cfg = job_config(tmp_path, ("u0", "user_worker"), ("u1", "user_worker"), consistency="allreduce", epochs=3)
+    async with LocalCluster(cfg) as cluster:
+        def run(node_id: str, stop_after: int) -> int:
+            with hmp.SyncWorker(cluster.cfg, node_id) as worker:
+                for x, y in worker.batches():
+                    F.cross_entropy(worker.model(x), y).backward()
+                    if worker.steps == stop_after or not worker.step():
+                        break  # u0 closes: its stop vote ends u1's loop after the same step
+                return worker.steps
+
+        steps = await asyncio.gather(asyncio.to_thread(run, "u0", 10), asyncio.to_thread(run, "u1", -1))
+        report = await cluster.train(timeout_s=60)
+    assert steps == [10, 10]
+    finals = [report["series"][w][-1] for w in ("u0", "u1")]
+    assert finals[0]["params_crc32"] == finals[1]["params_crc32"]
+    assert "test_accuracy" in report["final"]  # rank 0 (u0) evaluated the replica when the ring stopped

@@ -4,6 +4,7 @@ its ``user_worker`` (``hmp.Worker`` / ``hmp.SyncWorker``), next to daemons a Loc
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ def job_config(tmp: Path, *nodes: tuple, consistency: str = "async", epochs: int
     2 s: on two loaded cores a daemon's final evaluation may hold its loop up for seconds."""
     text = digits_job_text(tmp, name="own", consistency=consistency, target=0.0, epochs=epochs, max_seconds=60,
                            train_extra="batch_size = 32") + extra + nodes_toml(scheduler_node(), *nodes)
-    text = text.replace("heartbeat_interval_s = 0.3", "heartbeat_interval_s = 2.0")
+    text = re.sub(r"(?m)^heartbeat_interval_s = .*$", "heartbeat_interval_s = 2.0", text)
     path = tmp / "job.toml"
     path.write_text(text)
     return path

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from tests.support import digits_job_text, free_port, nodes_toml
 
 @pytest.mark.timeout(60)
 def test_joining_a_job_nobody_runs_fails_in_bounded_time(tmp_path):
-    text = digits_job_text(tmp_path, name="own", train_extra="").replace("join_timeout_s = 60", "join_timeout_s = 2")
+    text = re.sub(r"(?m)^join_timeout_s = .*$", "join_timeout_s = 2", digits_job_text(tmp_path, name="own"))
     path = tmp_path / "job.toml"
     path.write_text(text + nodes_toml(("scheduler", "scheduler", f'bind = "tcp://127.0.0.1:{free_port()}"'),
                                       ("ps0", "ps"), ("mine", "user_worker")))

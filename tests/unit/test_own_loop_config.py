@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import hmp
@@ -26,7 +28,7 @@ def test_a_user_worker_is_a_worker_the_launcher_does_not_start(tmp_path):
 
 
 def test_restarts_of_user_workers_are_refused(tmp_path):
-    text = job(tmp_path).replace("join_timeout_s = 60", "join_timeout_s = 60\nrestarts = { user_worker = 1 }")
+    text = re.sub(r"(?m)^(join_timeout_s = .*)$", r"\1\nrestarts = { user_worker = 1 }", job(tmp_path))
     with pytest.raises(ConfigError, match=r"job\.restarts\.user_worker.*does not start user workers"):
         loads(text)
 

@@ -4,7 +4,8 @@ What the README's examples use is here: :class:`LocalCluster` (start a job's dae
 :class:`JobManager` (cluster mode), :class:`PSClient` and :func:`connect` (a client of a running job's
 parameter server), :func:`load_config` (a checked :class:`Config`), :func:`load_dataset` and
 :func:`build_model` (a job's data and model as its daemons build them), :func:`load_model` (the
-model a finished job wrote), :class:`Dataset`,
+model a finished job wrote), :class:`Worker` and :class:`SyncWorker` (your own training loop as a worker of a
+job: docs/own_loop.md), :class:`Dataset`,
 :class:`ShardedModel`, and the errors :class:`HmpError` and :class:`ConfigError`.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = ["Config", "ConfigError", "Dataset", "HmpError", "JobManager", "LocalCluster", "PSClient", "ShardedModel",
-           "build_model", "connect", "load_config", "load_dataset", "load_model", "__version__"]
+           "SyncWorker", "Worker", "build_model", "connect", "load_config", "load_dataset", "load_model", "__version__"]
 
 
 def __getattr__(name: str):
@@ -26,6 +27,9 @@ def __getattr__(name: str):
     if name == "JobManager":
         from hmp.manager.service import JobManager
         return JobManager
+    if name in ("Worker", "SyncWorker"):
+        from hmp.nodes import user_handle
+        return getattr(user_handle, name)
     if name == "PSClient":
         from hmp.client import PSClient
         return PSClient

@@ -60,7 +60,8 @@ __all__ = ["JobFailed", "LocalCluster", "START_ORDER"]
 
 _log = structlog.get_logger("hmp").bind(role="launcher")
 
-START_ORDER = tuple(Role)  # scheduler, ps, cpu_worker, gpu_worker
+# scheduler, ps, cpu_worker, gpu_worker; a user_worker is the user's own program (docs/own_loop.md)
+START_ORDER = tuple(r for r in Role if r != Role.USER_WORKER)
 
 #: ``start()`` waits at most this long for the daemons' metrics URLs ([metrics] enabled) before going on
 #: without the missing ones (logged).

@@ -175,7 +175,12 @@ async def _launch(args: argparse.Namespace) -> int:
               flush=True)
     else:
         cluster = LocalCluster(cfg, resume=args.resume, hosts=args.hosts)  # a bad placement: ConfigError, exit 2
-        print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
+        users = [n.id for n in cfg.nodes if n.role == "user_worker"]
+        print(f"hmp-launch: {len(cfg.nodes) - len(users)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}",
+              flush=True)
+        if users:  # docs/own_loop.md
+            print(f"hmp-launch: waiting for user workers {', '.join(users)} to join (hmp.Worker; with this job's "
+                  f"token: the same HMP_JOB_TOKEN or [job] token)", flush=True)
     try:
         async with cluster:
             for nid, url in getattr(cluster, "metrics_urls", {}).items():

@@ -173,6 +173,10 @@ class RayCluster(Launcher):
                               f"no restarts under Ray yet (a lost worker's share goes to the others while [train] "
                               f"min_workers remain; a shard resumes from a checkpoint on the node that wrote it); "
                               f"got {', '.join(f'{r} = {n}' for r, n in sorted(bad.items()))}")
+        users = [n.id for n in self.cfg.by_role(Role.USER_WORKER)]
+        if users:
+            raise ConfigError(self.cfg.path, "nodes", f"no user_worker under Ray yet (its loop runs in your own "
+                                                      f"process, docs/own_loop.md); found {users}")
         #: where each daemon runs: ``{node: {ip, hostname, ray_node, address, pid, log}}``
         self.placement: dict[str, dict[str, Any]] = {}
         #: ``[metrics] enabled``: ``{node: URL}`` of each daemon's endpoint (on its Ray node), known after start()

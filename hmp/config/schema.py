@@ -28,6 +28,9 @@ class Role(enum.StrEnum):
     PS = "ps"
     CPU_WORKER = "cpu_worker"
     GPU_WORKER = "gpu_worker"
+    #: a worker whose training loop is the user's own program (``hmp.Worker``, docs/own_loop.md): the
+    #: scheduler expects it like any worker, the launcher does not start it
+    USER_WORKER = "user_worker"
 
 
 class Consistency(enum.StrEnum):
@@ -49,7 +52,7 @@ class BatchPolicyKind(enum.StrEnum):
     ADAPTIVE = "adaptive"
 
 
-WORKER_ROLES = (Role.CPU_WORKER, Role.GPU_WORKER)
+WORKER_ROLES = (Role.CPU_WORKER, Role.GPU_WORKER, Role.USER_WORKER)
 #: ``[collective] algorithm``: hmp.collective.ring.ALGORITHMS (the ring's own list; a test keeps them equal)
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "halving")
 #: hmp.placement.registry.PLANNERS' names (not imported here: the registry imports torch)
@@ -638,6 +641,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "job.log_format", "one of ['auto', 'console', 'json']")
     _validate_ranges(cfg)
     _validate_placement(cfg)
+    _validate_user_workers(cfg)
     if t.policy == BatchPolicyKind.STATIC and t.policy_args:
         raise ConfigError(p, "train.policy_args", "no knobs for train.policy = \"static\" (it keeps each "
                                                   f"worker's configured batch), got {t.policy_args!r}")
@@ -730,6 +734,26 @@ def _validate_resilience(cfg: Config) -> None:
     if len(token) > 256 or not token.isprintable():
         raise ConfigError(p, "job.token", f"at most 256 printable characters, got {len(token)} "
                                           f"{'characters' if token.isprintable() else 'with a control character'}")
+
+
+def _validate_user_workers(cfg: Config) -> None:
+    """``role = "user_worker"``: a loop of the user's (docs/own_loop.md) runs plain steps of the job's model."""
+    p = cfg.path
+    users = [(i, n) for i, n in enumerate(cfg.nodes) if n.role == Role.USER_WORKER]
+    if not users:
+        return
+    why = "a user_worker's loop is your own program (docs/own_loop.md)"
+    if cfg.job.restarts.get(Role.USER_WORKER):
+        raise ConfigError(p, "job.restarts.user_worker", f"0: the launcher does not start user workers ({why})")
+    if cfg.sweep.members:
+        raise ConfigError(p, "nodes", f"no user_worker in a [sweep] job (its workers step fused arrays); found "
+                                      f"{[n.id for _, n in users]}")
+    if cfg.placement.enabled:
+        raise ConfigError(p, "nodes", f"no user_worker in a [placement] job (its workers run pipeline stages); "
+                                      f"found {[n.id for _, n in users]}")
+    for i, n in users:
+        if n.hogwild_threads > 1:
+            raise ConfigError(p, f"nodes[{i}].hogwild_threads", f"1 for a user_worker ({why})")
 
 
 def _validate_allreduce(cfg: Config) -> None:

@@ -65,6 +65,9 @@ class Node:
     """Base of the four daemons. Subclasses set ``role``, fill ``handlers()`` and write ``main()``."""
 
     role = "node"
+    #: whether :meth:`run` takes SIGTERM/SIGINT over (a daemon does; a node hosted on a thread of someone
+    #: else's process, :mod:`hmp.nodes.user_worker`, leaves that process's signals alone)
+    handles_signals = True
 
     def __init__(self, cfg: Config, node_id: str) -> None:
         self.cfg = cfg
@@ -285,7 +288,7 @@ class Node:
         the loop took them over (see ``hmp.nodes.main``); they stop the node as soon as it starts. ``ready`` is
         called with the bound address once the node serves (``hmp.nodes.main --ready-file``)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.handles_signals else ():
             loop.add_signal_handler(sig, self._on_signal, sig)
         for sig in list(pending_signals or ()):
             self._on_signal(sig)

@@ -127,6 +127,23 @@ def test_a_sync_round_takes_its_members_mean_and_a_backup_applies_the_same():
     assert torch.equal(core.chunks[BUF].param, torch.tensor([2.0, 2.0, 2.0]))
 
 
+@pytest.mark.parametrize("consistency", ["async", "sync"])
+def test_a_row_sparse_push_carries_buffer_values_beside_its_rows(consistency):
+    """A sparse job: the table's chunk is stepped by rows, the buffer chunk takes values, in the same push."""
+    table = 3
+    core = ShardCore("ps0", {table: torch.zeros(6), BUF: torch.zeros(3)}, "adam", {"lr": 0.1}, consistency,
+                     workers=("a",), row_dims={table: 2}, buffer_keys=(BUF,))
+    push = Push(sender="a", keys=(BUF,), grads=(torch.tensor([1.0, 2.0, 3.0]),), samples=1, row_keys=(table,),
+                rows=(torch.tensor([1]),), row_grads=(torch.ones(1, 2),))
+    core.push(push)
+    core.next_release()  # sync: the round (one member) is complete
+    assert torch.equal(core.chunks[BUF].param, torch.tensor([1.0, 2.0, 3.0]))
+    rows = core.chunks[table].param.view(3, 2)
+    assert torch.equal(rows[0], torch.zeros(2)) and torch.equal(rows[2], torch.zeros(2))  # untouched rows
+    assert bool((rows[1] < 0).all())  # the pushed row took an Adam step
+    assert core.version == 1
+
+
 def test_nonfinite_buffer_values_are_refused():
     core = _core()
     with pytest.raises(RequestError, match="chunk 1 has 1 NaN"):

@@ -269,7 +269,8 @@ class PSClient:
         grads = self._grads
         # The buffers' values, copied (they are small next to the parameters): a forward running while the push
         # is in flight (Hogwild threads) cannot change what is sent, and a CUDA model's cross to the CPU here.
-        buffers = {k: self._buffers[k].detach().to("cpu", copy=True) for k in self.keys if k in self._buffers}
+        buffers = ({k: self._buffers[k].detach().to("cpu", copy=True) for k in self.keys if k in self._buffers}
+                   if self._buffers else {})
         if self._staging is not None:
             for k, g in self._staging.items():
                 g.copy_(grads[k], non_blocking=True)

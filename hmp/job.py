@@ -77,8 +77,9 @@ def check_data_config(cfg: Config) -> None:
 
 
 def check_pipeline_buffers(cfg: Config) -> None:
-    """A pipeline job's model has no module buffers: its stages would update BatchNorm statistics each in its
-    own replica while the shards, the evaluation and ``model.pt`` kept the initial ones (docs/buffers.md)."""
+    """A pipeline job's model may have no persistent module buffers: its stages would update BatchNorm statistics
+    each in its own replica while the shards, the evaluation and ``model.pt`` kept the initial ones
+    (docs/buffers.md)."""
     if not cfg.placement.enabled:
         return
     try:

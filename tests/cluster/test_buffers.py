@@ -103,6 +103,7 @@ async def test_a_batchnorm_model_trains_as_well_as_its_twin_and_exports_the_stat
     run = cfg.report_dir
     assert (run / MODEL_FILE).exists(), report["final"]
     model = load_model(run)
+    model = getattr(model, "model", model)  # the user's module itself, should the export wrap it (raw features)
     data = job.dataset(cfg)
     accuracy = evaluate(model, data.x_test, data.y_test)["test_accuracy"]  # in eval mode: the running statistics
     assert accuracy == report["final"]["test_accuracy"]

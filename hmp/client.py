@@ -2,7 +2,9 @@
 
 :class:`PSClient` pulls the model's parameters from the shards and pushes the flat gradient buffer
 to them, one message per shard whose frames view the buffer (no concatenation copy), writing each
-reply's values straight into the parameters; it uses shared memory with shards on its host,
+reply's values straight into the parameters; the model's buffers (BatchNorm running statistics) go
+with every push as values and come back with every reply and pull (docs/buffers.md). It uses shared
+memory with shards on its host,
 row-sparse pushes for sparse tables and CURVE keys when the job has them. One push or pull at a
 time: a reply's rows are matched to the ids last asked for. See docs/protocol.md ("Taking part
 from outside the topology"), docs/shm.md and docs/security.md.
@@ -41,7 +43,9 @@ class PSClient:
             raise ValueError(f"the model's chunks are assigned to {len(sharded.assignment)} shards, "
                              f"{len(shards)} given")
         self.sharded, self.cfg, self.name = sharded, cfg, name
-        self._params = sharded.param_views()
+        #: the module buffers' chunks (``{key: view}``): pushed as values, written from replies like parameters
+        self._buffers = sharded.buffer_views()
+        self._params = {**sharded.param_views(), **self._buffers}
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.arena: Arena | None = None
         if (cfg is not None and cfg.shm.enabled if shm is None else shm) and device.type == "cpu":
@@ -263,6 +267,10 @@ class PSClient:
         run); each returns its shard's ``params`` reply, which :meth:`write` applies. Until every reply
         has arrived the gradient buffer must not be written (the frames are its own memory)."""
         grads = self._grads
+        # The buffers' values, copied (they are small next to the parameters): a forward running while the push
+        # is in flight (Hogwild threads) cannot change what is sent, and a CUDA model's cross to the CPU here.
+        buffers = ({k: self._buffers[k].detach().to("cpu", copy=True) for k in self.keys if k in self._buffers}
+                   if self._buffers else {})
         if self._staging is not None:
             for k, g in self._staging.items():
                 g.copy_(grads[k], non_blocking=True)
@@ -278,7 +286,7 @@ class PSClient:
             if not keys:
                 continue
             dense = tuple(k for k in keys if k not in self._row_chunks)
-            g = tuple(grads[k] for k in dense)
+            g = tuple(buffers[k] if k in buffers else grads[k] for k in dense)
             row_keys = tuple(k for k in keys if k in rows)
             ids = tuple(rows[k][0] for k in row_keys)
             row_grads = tuple(rows[k][1] for k in row_keys)

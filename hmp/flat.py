@@ -5,13 +5,16 @@ view into it), and the buffers are cut into :class:`Chunk` s of at most ``chunk_
 regardless of parameter boundaries. Chunks, not parameters, are what workers push and pull and
 what is placed on PS shards, which keeps every message and every shard's load near the same size
 whatever the model looks like. Row-sparse tables are laid out as :class:`RowTable` s of whole
-rows. See docs/architecture.md, "Parameter-server data path".
+rows. A model's persistent buffers (BatchNorm running statistics) can be laid out too, in buffer
+chunks of their own, so that they travel with the parameters (docs/buffers.md). See
+docs/architecture.md, "Parameter-server data path".
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -105,6 +108,9 @@ class FlatBuffers:
     grads: dict[str, Tensor]
     sparse: tuple[nn.Parameter, ...] = ()
     dense_ranges: tuple[tuple[str, int, int], ...] = ()
+    #: the module buffers' flat buffers by dtype (a layout with buffers: :attr:`FlatLayout.buffers`); every
+    #: laid-out buffer of the model is a view into one of them
+    buffers: dict[str, Tensor] = field(default_factory=dict)
 
     def zero_grad(self) -> None:
         """Zero the flat grad buffers in place; use this instead of ``optimizer.zero_grad()``. The
@@ -131,6 +137,10 @@ class FlatLayout:
     ``table_chunk_bytes // (dim * itemsize)`` rows, at least one).
     ``table_chunk_bytes``: the tables' chunk size in bytes (0: ``chunk_bytes``). A sparse push or pull costs a
     little per table chunk it touches, and a batch touches rows all over a table, so tables are cut coarser.
+    ``buffers``: one :class:`ParamSlot` per persistent module buffer (any dtype; :func:`persistent_buffers`),
+    in their own flat buffers (``buffer_sizes``), cut into ``buffer_chunks`` whose keys follow every
+    parameter chunk's. Empty unless asked for (``from_model(..., buffers=True)``): buffers have no gradient,
+    and ``chunks`` stays the parameters' alone, so gradient code never meets them (docs/buffers.md).
 
     The layout depends only on parameter names, shapes and dtypes, so every worker
     building the same model gets the same layout (compare with ``==``).
@@ -142,6 +152,9 @@ class FlatLayout:
     chunk_bytes: int
     tables: tuple[RowTable, ...] = ()
     table_chunk_bytes: int = 0
+    buffers: tuple[ParamSlot, ...] = ()
+    buffer_sizes: tuple[tuple[str, int], ...] = ()
+    buffer_chunks: tuple[Chunk, ...] = ()
 
     # ------------------------------------------------------------------ building
 
@@ -196,11 +209,33 @@ class FlatLayout:
 
     @classmethod
     def from_model(cls, model: nn.Module, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   table_chunk_bytes: int = 0) -> FlatLayout:
+                   table_chunk_bytes: int = 0, buffers: bool = False) -> FlatLayout:
         """Lay out ``model``'s trainable parameters (its row-sparse tables: :func:`row_sparse_tables`);
-        see :meth:`from_named_parameters`."""
-        return cls.from_named_parameters(model.named_parameters(), chunk_bytes, row_sparse_tables(model),
-                                         table_chunk_bytes)
+        see :meth:`from_named_parameters`. ``buffers``: its persistent buffers too (:meth:`with_buffers`)."""
+        layout = cls.from_named_parameters(model.named_parameters(), chunk_bytes, row_sparse_tables(model),
+                                           table_chunk_bytes)
+        return layout.with_buffers(persistent_buffers(model)) if buffers else layout
+
+    def with_buffers(self, named: Iterable[tuple[str, Tensor]]) -> FlatLayout:
+        """This layout plus the buffers ``named`` (``(name, tensor)``, e.g. :func:`persistent_buffers`): one
+        flat buffer per dtype, cut every ``chunk_bytes`` like the parameters, chunk keys after the parameters'
+        (any buffers this layout had are replaced)."""
+        slots: list[ParamSlot] = []
+        sizes: dict[str, int] = {}
+        for name, b in named:
+            d = dtype_name(b.dtype)
+            offset = sizes.get(d, 0)
+            slots.append(ParamSlot(name, d, offset, b.numel(), tuple(b.shape)))
+            sizes[d] = offset + b.numel()
+        chunks: list[Chunk] = []
+        key = len(self.chunks)
+        for d, total in sizes.items():
+            per_chunk = max(1, self.chunk_bytes // _itemsize(d))
+            for start in range(0, total, per_chunk):
+                chunks.append(Chunk(key, d, start, min(per_chunk, total - start)))
+                key += 1
+        return dataclasses.replace(self, buffers=tuple(slots), buffer_sizes=tuple(sizes.items()),
+                                   buffer_chunks=tuple(chunks))
 
     # ------------------------------------------------------------------ queries
 
@@ -240,9 +275,20 @@ class FlatLayout:
         """New zeroed flat buffers ``{dtype: Tensor[numel]}`` on ``device`` (default CPU)."""
         return {d: torch.zeros(n, dtype=torch_dtype(d), device=device) for d, n in self.sizes}
 
+    def allocate_buffers(self, device: torch.device | str | None = None) -> dict[str, Tensor]:
+        """New zeroed flat buffers for the module buffers, ``{dtype: Tensor[numel]}`` (empty without any)."""
+        return {d: torch.zeros(n, dtype=torch_dtype(d), device=device) for d, n in self.buffer_sizes}
+
     def check(self, model: nn.Module) -> None:
         """Raise ``ValueError`` naming the first difference if ``model`` does not match this layout."""
         other = FlatLayout.from_model(model, self.chunk_bytes, self.table_chunk_bytes)
+        if self.buffers:
+            theirs = [(n, dtype_name(b.dtype), tuple(b.shape)) for n, b in persistent_buffers(model)]
+            mine = [(s.name, s.dtype, s.shape) for s in self.buffers]
+            if theirs != mine:
+                diff = next((f"layout has {a}, model has {b}" for a, b in zip(mine, theirs) if a != b),
+                            f"layout has {len(mine)} buffers, model has {len(theirs)}")
+                raise ValueError(f"model's buffers do not match layout: {diff}")
         if other.slots == self.slots:
             return
         mine = [s.name for s in self.slots]
@@ -275,6 +321,16 @@ class FlatLayout:
         self._check_flat(flat)
         return {s.name: flat[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
 
+    def buffer_views(self, flat: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``{buffer name: view shaped like the buffer}`` into the buffers' flat buffers ``flat`` (no copies)."""
+        for d, n in self.buffer_sizes:
+            t = flat.get(d)
+            if t is None or t.dim() != 1 or t.numel() != n or dtype_name(t.dtype) != d:
+                raise ValueError(f"flat {d!r} buffer for module buffers is "
+                                 f"{'missing' if t is None else dtype_name(t.dtype) + str(list(t.shape))}; "
+                                 f"expected {d}[{n}] (1-D)")
+        return {s.name: flat[s.dtype][s.offset : s.offset + s.numel].view(s.shape) for s in self.buffers}
+
     def bind(self, model: nn.Module, device: torch.device | str | None = None) -> FlatBuffers:
         """Move ``model``'s parameters and gradients into new flat buffers; return the buffers.
 
@@ -292,7 +348,9 @@ class FlatLayout:
 
         ``device``: where the flat buffers live; default the device of the first parameter.
 
-        A row-sparse table's ``.grad`` is not bound (docs/architecture.md): it is set to None.
+        A row-sparse table's ``.grad`` is not bound (docs/architecture.md): it is set to None. A layout with
+        buffers binds them too: each module buffer is replaced by a view into ``buffers[dtype]`` (its current
+        values copied in; modules update their buffers in place, so they keep writing into the flat buffer).
         """
         self.check(model)
         if device is None:
@@ -300,7 +358,9 @@ class FlatLayout:
         params = dict(model.named_parameters())
         tables = {t.name for t in self.tables}
         flat = FlatBuffers(self.allocate(device), self.allocate(device), tuple(params[n] for n in tables),
-                           self.dense_ranges() if tables else ())
+                           self.dense_ranges() if tables else (), self.allocate_buffers(device))
+        if self.buffers:
+            _bind_buffers(model, self.buffer_views(flat.buffers))
         pviews, gviews = self.param_views(flat.params), self.param_views(flat.grads)
         with torch.no_grad():
             for name, p in params.items():
@@ -363,6 +423,34 @@ def row_sparse_tables(model: nn.Module) -> tuple[str, ...]:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             out.append(f"{prefix}.weight" if prefix else "weight")
     return tuple(out)
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """``model``'s buffers that its ``state_dict`` holds (not those registered with ``persistent=False``,
+    which a module makes itself, nor None placeholders), each once, in ``named_buffers()`` order."""
+    out = []
+    for name, b in model.named_buffers():
+        prefix, _, attr = name.rpartition(".")
+        owner = model.get_submodule(prefix) if prefix else model
+        if attr in owner._non_persistent_buffers_set:
+            continue
+        out.append((name, b))
+    return out
+
+
+def _bind_buffers(model: nn.Module, views: Mapping[str, Tensor]) -> None:
+    """Every module buffer named in ``views`` (and any module holding the same tensor under another name)
+    replaced by its view, its current value copied in."""
+    by_id = {}
+    with torch.no_grad():
+        for name, view in views.items():
+            old = model.get_buffer(name)
+            view.copy_(old)
+            by_id[id(old)] = view
+    for m in model.modules():
+        for attr, b in m._buffers.items():
+            if b is not None and id(b) in by_id:
+                m._buffers[attr] = by_id[id(b)]
 
 
 def _first_device(model: nn.Module) -> torch.device:

@@ -27,7 +27,7 @@ from hmp.batching import adapter as batching_adapter
 from hmp.config import Config
 from hmp.config import overrides as overrides_mod
 from hmp.errors import ConfigError
-from hmp.flat import Chunk, FlatLayout
+from hmp.flat import Chunk, FlatLayout, persistent_buffers
 from hmp.hfta.array import FusedArray
 from hmp.hfta.optim import check_settings
 from hmp.pipeline.chunks import layer_aligned_layout
@@ -48,6 +48,7 @@ def check(cfg: Config, *, data: bool = False) -> None:
             raise ConfigError(cfg.path, "sweep.members", str(exc)) from None
     batching_adapter.check_config(cfg)
     placement_spec.check_config(cfg)
+    check_pipeline_buffers(cfg)
     check_writable_dirs(cfg)
     check_shard_share(cfg)
     if data:
@@ -74,6 +75,27 @@ def check_data_config(cfg: Config) -> None:
     if cfg.placement.enabled:
         raise ConfigError(cfg.path, "data.sparse", "false in a pipeline job ([placement] enabled): its profiler and "
                                                    "stages pass dense activations from the first layer on")
+
+
+def check_pipeline_buffers(cfg: Config) -> None:
+    """A pipeline job's model may have no persistent module buffers: its stages would update BatchNorm statistics
+    each in its own replica while the shards, the evaluation and ``model.pt`` kept the initial ones
+    (docs/buffers.md)."""
+    if not cfg.placement.enabled:
+        return
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = models.build_model(cfg.model.name, relative_to=models.config_dir(cfg), **cfg.model.args)
+    except Exception:  # noqa: BLE001 (a user's factory may raise anything; its own checks report it)
+        return
+    names = [n for n, _ in persistent_buffers(model)]
+    if names:
+        raise ConfigError(cfg.path, "placement.enabled", (
+            f"false for a model with buffers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
+            "pipeline stages do not carry module buffers such as BatchNorm running statistics to the PS "
+            "shards yet, so the evaluation and model.pt would use their initial values; use a model without "
+            "them (e.g. LayerNorm instead of BatchNorm) or train it without [placement]"))
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -120,7 +142,8 @@ def _shard_chunks(cfg: Config) -> tuple[Chunk, ...]:
     if cfg.placement.enabled:
         return layer_aligned_layout(model, cfg.ps.chunk_bytes).chunks
     if not cfg.sweep.members:  # (a sweep has no row-sparse tables: refused at load)
-        return FlatLayout.from_model(model, cfg.ps.chunk_bytes, cfg.ps.table_chunk_bytes).chunks
+        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes, cfg.ps.table_chunk_bytes, buffers=True)
+        return layout.chunks + layout.buffer_chunks
     named = [(n, p) for n, p in model.named_parameters()]
     if cfg.sweep.members:
         members = len(cfg.sweep.members)
@@ -421,7 +444,7 @@ def sharded_model(cfg: Config, device: str | torch.device = "cpu") -> ShardedMod
     if cfg.placement.enabled:
         # Pipeline stages push their own layers' chunks: no chunk may straddle two layers.
         layout = layer_aligned_layout(model, cfg.ps.chunk_bytes)
-    else:
-        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes, cfg.ps.table_chunk_bytes)
+    else:  # module buffers (BatchNorm statistics) travel with the parameters (docs/buffers.md)
+        layout = FlatLayout.from_model(model, cfg.ps.chunk_bytes, cfg.ps.table_chunk_bytes, buffers=True)
     model.to(device)
     return ShardedModel.of(model, layout, len(cfg.shards), array)

@@ -116,6 +116,7 @@ class PSShardNode(Node):
         return ShardCore(group, initial, *chunk_optimizer_of(self.cfg), self.cfg.train.consistency,
                          self.cfg.train.staleness, workers=[w.id for w in self.cfg.workers],
                          row_dims={c.key: c.dim for c in self.sharded.layout.chunks if c.dim and c.key in initial},
+                         buffer_keys=self.sharded.buffer_keys & initial.keys(),
                          # A sweep's members are independent: one diverging member's NaN stays in its own slice
                          # of every chunk, and refusing the push would stop the others too (its report shows it).
                          reject_nonfinite=self.cfg.ps.reject_nonfinite and not self.cfg.sweep.members, node=self.id)

@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from hmp import job
-from hmp.collective import GradientBuckets, Ring, RingBroken, RingError, RingHost
+from hmp.collective import BufferMean, GradientBuckets, Ring, RingBroken, RingError, RingHost
 from hmp.collective.resync import OPS as RESYNC_OPS
 from hmp.collective.resync import resync
 from hmp.config import Config
@@ -51,8 +51,10 @@ def params_crc32(params: dict[str, torch.Tensor]) -> int:
     return crc
 
 
-#: The control all-reduce's slots (float64): stop votes, loss x samples, samples.
+#: The control all-reduce's slots (float64): stop votes, loss x samples, samples; the module buffers follow
+#: (their members' mean is each step's new value: hmp.collective.buffers, docs/buffers.md).
 _VOTE, _LOSS, _SAMPLES = 0, 1, 2
+_BUFFERS = 3
 
 
 class RingWorkerNode(WorkerBase):
@@ -225,6 +227,7 @@ class RingWorkerNode(WorkerBase):
                                   lambda i, v: loop.call_soon_threadsafe(start_bucket, i, v),
                                   bucket_bytes=self.cfg.collective.bucket_bytes)
         n_ops = len(buckets) + 1  # the buckets, then the control all-reduce
+        buffer_mean = BufferMean(flat.buffers)
         order = ShuffledBatches(len(y), seed=self.cfg.data.seed)  # the same on every worker
         t = self.cfg.train
         self.start_clock(self.ring.rank if self.ring else 1)
@@ -264,7 +267,7 @@ class RingWorkerNode(WorkerBase):
                 step_ops["base"] = ring_op
                 ops.clear()
                 ready.clear()
-                control = torch.zeros(3, dtype=torch.float64)
+                control = torch.zeros(_BUFFERS + buffer_mean.numel, dtype=torch.float64)
 
                 def compute() -> tuple[float, float]:
                     t0 = time.perf_counter()
@@ -285,7 +288,9 @@ class RingWorkerNode(WorkerBase):
                     if idx is not None:
                         control[_LOSS], control[_SAMPLES] = lv * len(idx), len(idx)
                     control[_VOTE] = vote
+                    buffer_mean.pack(control[_BUFFERS:])
                     await ring.all_reduce(control, ring_op + n_ops - 1)
+                    buffer_mean.unpack(control[_BUFFERS:], n)
                     if len(ops) != len(buckets):
                         raise HmpError(f"backward readied {len(ops)} of {len(buckets)} gradient buckets")
                     await asyncio.gather(*ops.values())
@@ -328,6 +333,8 @@ class RingWorkerNode(WorkerBase):
             return
         # The replica's fingerprint, for the report: every member's must be the same.
         self.metrics["params_crc32"] = float(params_crc32(flat.params))
+        if flat.buffers:  # and of its module buffers, averaged every step: the same on every member too
+            self.metrics["buffers_crc32"] = float(params_crc32(flat.buffers))
         if self.ring is not None and self.ring.rank == 0:
             test = await self.test_set(data)
             self.metrics.update(await self.in_thread(evaluate, model, test.x_test, test.y_test))
@@ -406,6 +413,7 @@ class RingWorkerNode(WorkerBase):
         def snapshot() -> bytes:
             buf = io.BytesIO()
             torch.save({"params": {d: p.cpu() for d, p in flat.params.items()},
+                        "buffers": {d: b.cpu() for d, b in flat.buffers.items()},
                         "optimizers": {d: o.state_dict() for d, o in optimizers.items()},
                         "step": self.step, "epoch": self.epoch, "cursor": self.cursor}, buf)
             return buf.getvalue()
@@ -415,6 +423,8 @@ class RingWorkerNode(WorkerBase):
             with torch.no_grad():
                 for d, p in flat.params.items():
                     p.copy_(state["params"][d])
+                for d, b in flat.buffers.items():
+                    b.copy_(state["buffers"][d])
             for d, o in optimizers.items():
                 o.load_state_dict(state["optimizers"][d])
             self.step, self.epoch, self.cursor = int(state["step"]), int(state["epoch"]), int(state["cursor"])

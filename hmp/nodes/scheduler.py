@@ -48,7 +48,10 @@ class SchedulerNode(Node):
             "chunks": [[c.key, c.dtype, c.start, c.numel] for c in sharded.layout.chunks],
             "assignment": {str(i): list(keys) for i, keys in sharded.assignment.items()},
             "parameters": [[p.name, p.dtype, p.offset, p.numel, list(p.shape)] for p in sharded.layout.slots],
-            "tables": [[t.name, t.dtype, t.offset, t.rows, t.dim] for t in sharded.layout.tables]}
+            "tables": [[t.name, t.dtype, t.offset, t.rows, t.dim] for t in sharded.layout.tables],
+            # module buffers (docs/buffers.md): their own flat buffers and chunks, keys after the parameters'
+            "buffer_chunks": [[c.key, c.dtype, c.start, c.numel] for c in sharded.layout.buffer_chunks],
+            "buffers": [[b.name, b.dtype, b.offset, b.numel, list(b.shape)] for b in sharded.layout.buffers]}
         # Loaded now, before serving: blocking work after the nodes join would delay heartbeats.
         # Only what it evaluates: the test set (a pipeline's planner also profiles a batch of training rows).
         self.dataset = job.dataset(cfg, "all" if cfg.placement.enabled else "test")

@@ -3,7 +3,9 @@
 A PS shard owns chunks (see :mod:`hmp.flat`), not modules, so torch.optim does not fit: each chunk
 gets its own optimizer holding that chunk's state, following torch.optim's update rules exactly and
 allocating nothing per step. Also here: :func:`accumulate` and :func:`scale_`, the sync-mode
-gradient aggregation. The rules, schedules and allocation are in docs/optimizers.md.
+gradient aggregation, and :class:`BufferRule`, what stands in for the optimizer of a chunk holding
+module buffers (they take values, not gradients: docs/buffers.md). The rules, schedules and
+allocation are in docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,68 @@ def accumulate(dst: Tensor, src: Tensor, first: bool) -> None:
 def scale_(dst: Tensor, factor: float) -> Tensor:
     """Multiply ``dst`` by ``factor`` in place (``1 / n`` to average ``n`` pushes); returns ``dst``."""
     return dst.mul_(factor)
+
+
+class BufferRule:
+    """How a chunk of module buffers (BatchNorm running statistics, ``num_batches_tracked``) takes pushed values.
+
+    A push carries a buffer chunk's *values* (the worker's buffers after its forward passes), never a
+    gradient, and no optimizer, learning rate or schedule touches them. Floating-point chunks: an applied
+    value replaces the chunk (last writer wins: async, ssp) and a sync round applies its members' mean.
+    Other dtypes (counters such as ``num_batches_tracked``, flags): the element-wise maximum, so a count never
+    goes back when a worker that pulled earlier pushes later. Why these rules: docs/buffers.md. The
+    interface is the part of :class:`ChunkOptimizer` a shard calls (``step``, ``tick``, state dicts) plus
+    the sync round's :meth:`fold` and :meth:`finish`."""
+
+    name = "buffer"
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.numel, self.dtype = numel, dtype
+        #: floating-point values are averaged in sync rounds and replaced otherwise; the rest take the maximum
+        self.averages = dtype.is_floating_point or dtype.is_complex
+        self.steps = 0
+
+    def _check(self, what: str, t: Tensor) -> None:
+        if t.shape != (self.numel,) or t.dtype != self.dtype:
+            raise ValueError(f"buffer chunk: {what} is {t.dtype}{list(t.shape)}; expected {self.dtype}[{self.numel}]")
+
+    def step(self, param: Tensor, value: Tensor) -> None:
+        """Apply pushed (or a round's folded) ``value`` to ``param`` in place: replace, or the maximum."""
+        self._check("value", value)
+        self.steps += 1
+        with torch.no_grad():
+            if self.averages:
+                param.copy_(value)
+            else:
+                torch.maximum(param, value.to(param.device), out=param)
+
+    def fold(self, agg: Tensor, value: Tensor, first: bool) -> None:
+        """Sync: fold one member's ``value`` into the round's buffer (``first`` copies; later ones add, or
+        take the maximum)."""
+        self._check("value", value)
+        if first:
+            agg.copy_(value)
+        elif self.averages:
+            agg.add_(value)
+        else:
+            torch.maximum(agg, value, out=agg)
+
+    def finish(self, agg: Tensor, contributors: int) -> None:
+        """Sync: the folded sum of ``contributors`` values becomes their mean (a maximum stays)."""
+        if self.averages and contributors > 1:
+            agg.div_(contributors)
+
+    def tick(self) -> None:
+        """An update that carried no value for this chunk: nothing changes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.name, "numel": self.numel, "step": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("optimizer") != self.name or state.get("numel") != self.numel:
+            raise ValueError(f"state_dict is for {state.get('optimizer')!r} of {state.get('numel')} elements, "
+                             f"not a buffer chunk of {self.numel}")
+        self.steps = int(state.get("step", 0))
 
 
 class ChunkOptimizer:

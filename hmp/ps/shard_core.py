@@ -19,8 +19,11 @@ the first try's ``seq``: one applied already (:attr:`ShardCore.last_seq`, saved 
 parameters that hold it) is answered, not applied again; one in the round in progress or waiting for the
 SSP bound waits with it. Row-sparse tables (``row_dims``, docs/protocol.md, "Row-sparse tables"): a push
 may carry gradients of some rows of a chunk; every update counts as a step of each row-sparse chunk,
-touched or not, so that its step count (the schedule's, Adam's) is the shard's update count. Checkpoint
-files: :mod:`hmp.ps.checkpoint`.
+touched or not, so that its step count (the schedule's, Adam's) is the shard's update count. Buffer chunks
+(``buffer_keys``: module buffers such as BatchNorm running statistics, docs/buffers.md) travel in the same
+pushes, replies, forwards and checkpoints as the parameters, but a push carries their values and
+:class:`~hmp.ps.optim.BufferRule` applies them (last writer wins, a sync round's mean; maximum for
+integers), never the optimizer. Checkpoint files: :mod:`hmp.ps.checkpoint`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from hmp.errors import RequestError
 from hmp.messages import Push, Replicate, RowGrads
 from hmp.ps import checkpoint
 from hmp.ps.checkpoint import CheckpointError
-from hmp.ps.optim import accumulate, make_chunk_optimizer, scale_
+from hmp.ps.optim import BufferRule, accumulate, make_chunk_optimizer, scale_
 
 
 # ---------------------------------------------------------------- decisions (push)
@@ -112,6 +115,7 @@ class ChunkState:
     agg: torch.Tensor | None = None  # [numel]; sync mode only, allocated once
     contributors: int = 0
     dim: int = 0  #: a row-sparse chunk's row width (0: dense)
+    buffer: bool = False  #: holds module buffers: ``optimizer`` is a BufferRule, pushes carry values
     touched: list[torch.Tensor] = dataclasses.field(default_factory=list)  # sync: the rows pushed this round
 
     @property
@@ -125,8 +129,10 @@ class ShardCore:
 
     def __init__(self, shard_id: str, chunks: dict[int, torch.Tensor], optimizer: str, hyper: dict[str, Any],
                  consistency: str = Consistency.ASYNC, staleness: int = 0, workers: Iterable[str] = (),
-                 row_dims: dict[int, int] | None = None, reject_nonfinite: bool = True, node: str = "") -> None:
+                 row_dims: dict[int, int] | None = None, reject_nonfinite: bool = True, node: str = "",
+                 buffer_keys: Iterable[int] = ()) -> None:
         """``row_dims``: ``{chunk key: row width}`` of the chunks that hold rows of a row-sparse table;
+        ``buffer_keys``: the chunks that hold module buffers (:class:`~hmp.ps.optim.BufferRule`, no optimizer);
         ``reject_nonfinite``: refuse pushes with NaN or infinite gradients (:meth:`check_finite`); ``node``:
         the shard daemon serving it (default ``shard_id``), named when it refuses pushes on its way out."""
         if consistency not in tuple(Consistency):
@@ -139,10 +145,14 @@ class ShardCore:
         # Cloned once at start: the shard owns and mutates its chunks, while the given values are views of the
         # model (or of a received frame) that the caller keeps.
         row_dims = row_dims or {}
+        buffers = set(buffer_keys)
         self.chunks = {k: ChunkState(k, v.detach().clone().reshape(-1),
+                                     BufferRule(v.numel(), v.dtype) if k in buffers else
                                      make_chunk_optimizer(optimizer, v.numel(), dtype=v.dtype, **hyper),
-                                     dim=int(row_dims.get(k, 0)))
+                                     dim=int(row_dims.get(k, 0)), buffer=k in buffers)
                        for k, v in chunks.items()}
+        #: the chunks holding module buffers
+        self.buffer_keys = frozenset(k for k in self.chunks if k in buffers)
         for c in self.chunks.values():
             if c.dim and c.param.numel() % c.dim:
                 raise ValueError(f"chunk {c.key} has {c.param.numel()} elements, not whole rows of width {c.dim}")
@@ -423,7 +433,10 @@ class ShardCore:
                 c.agg = torch.zeros_like(c.param) if c.dim else torch.empty_like(c.param)
             # First arrival copied (its receive frame is released after this request), later added in place.
             # A row-sparse chunk's buffer is kept at zero between rounds (rows may come first): always added.
-            accumulate(c.agg, g, first=c.contributors == 0 and not c.dim)
+            if c.buffer:  # values, not gradients: summed for the mean, or the maximum (BufferRule)
+                c.optimizer.fold(c.agg, g, first=c.contributors == 0)
+            else:
+                accumulate(c.agg, g, first=c.contributors == 0 and not c.dim)
             c.contributors += 1
         for k, r, g in zip(*sparse):
             c = self.chunks[k]
@@ -456,7 +469,9 @@ class ShardCore:
         row_grads: list[torch.Tensor] = []
         for c in self.chunks.values():
             if c.contributors:
-                if c.dim:  # a row-sparse chunk pushed whole (by some member): every member's share counts
+                if c.buffer:  # the members' mean (or maximum) becomes the buffers' value
+                    c.optimizer.finish(c.agg, c.contributors)
+                elif c.dim:  # a row-sparse chunk pushed whole (by some member): every member's share counts
                     if members > 1:
                         scale_(c.agg, 1.0 / members)
                 else:
@@ -589,12 +604,16 @@ class ShardCore:
                 "optim": {k: c.optimizer.state_dict() for k, c in self.chunks.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state["params"]) != set(self.chunks):
+        """Become the state :meth:`state_dict` saved (``ValueError`` for another layout or optimizer). A
+        checkpoint written before buffers were laid out lacks the buffer chunks: they keep their values."""
+        if set(state["params"]) != set(self.chunks) and set(state["params"]) != set(self.chunks) - self.buffer_keys:
             raise ValueError(f"checkpoint of shard {state.get('shard_id')} holds chunks {sorted(state['params'])}, "
                              f"this shard owns {sorted(self.chunks)}: the layout or shard count changed")
         if state["optimizer"] != self.optimizer_name:
             raise ValueError(f"checkpoint used optimizer {state['optimizer']!r}, config says {self.optimizer_name!r}")
         for k, c in self.chunks.items():
+            if k not in state["params"]:  # a buffer chunk of an older checkpoint (see above)
+                continue
             c.param.copy_(state["params"][k])
             c.optimizer.load_state_dict(state["optim"][k])
         self.version = state["version"]

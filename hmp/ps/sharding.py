@@ -2,7 +2,8 @@
 
 Every node builds the model with the same seed, lays it out in flat buffers (:mod:`hmp.flat`) and
 assigns the chunks with the same deterministic greedy rule (:func:`assign_chunks`), so no node
-needs to be told where a chunk lives; :class:`ShardedModel` holds the result. With ``[ps] replicas
+needs to be told where a chunk lives; :class:`ShardedModel` holds the result. A layout's buffer chunks
+(module buffers, docs/buffers.md) are assigned with the parameter chunks. With ``[ps] replicas
 = 2`` each shard's chunks form a group backed up on the next shard (:func:`initial_replicas`,
 :func:`next_backup`; docs/resilience.md).
 """
@@ -34,26 +35,37 @@ class ShardedModel:
         """Bind ``model``'s parameters to ``layout``'s flat buffers and assign the chunks to shards
         (none: an allreduce job's replica, no PS)."""
         flat = layout.bind(model)
-        return cls(model, layout, flat, assign_chunks(layout.chunks, num_shards) if num_shards else {}, array)
+        every = layout.chunks + layout.buffer_chunks
+        return cls(model, layout, flat, assign_chunks(every, num_shards) if num_shards else {}, array)
 
     @property
     def chunks(self) -> dict[int, Chunk]:
-        return {c.key: c for c in self.layout.chunks}
+        """Every chunk by key: the parameters' and the buffers'."""
+        return {c.key: c for c in self.layout.chunks + self.layout.buffer_chunks}
+
+    @property
+    def buffer_keys(self) -> frozenset[int]:
+        """The keys of the chunks that hold module buffers, not parameters (docs/buffers.md)."""
+        return frozenset(c.key for c in self.layout.buffer_chunks)
 
     def initial_chunks(self, shard_index: int) -> dict[int, torch.Tensor]:
-        views = self.param_views()
+        views = {**self.param_views(), **self.buffer_views()}
         return {k: views[k].detach().cpu() for k in self.assignment[shard_index]}
 
     def param_views(self) -> dict[int, torch.Tensor]:
         """``{chunk key: 1-D view}`` into the flat parameter buffers (no copies)."""
         return chunk_views(self.flat.params, self.layout.chunks)
 
+    def buffer_views(self) -> dict[int, torch.Tensor]:
+        """``{chunk key: 1-D view}`` into the module buffers' flat buffers (no copies; empty without buffers)."""
+        return chunk_views(self.flat.buffers, self.layout.buffer_chunks)
+
     def grad_views(self) -> dict[int, torch.Tensor]:
         """``{chunk key: 1-D view}`` into the flat gradient buffers (no copies)."""
         return chunk_views(self.flat.grads, self.layout.chunks)
 
     def report(self) -> ShardingReport:
-        return sharding_report(self.layout.chunks, self.assignment)
+        return sharding_report(self.layout.chunks + self.layout.buffer_chunks, self.assignment)
 
 
 def initial_replicas(shard_ids: list[str], replicas: int = 2) -> dict[str, tuple[str, str]]:

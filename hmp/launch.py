@@ -6,26 +6,27 @@ namespaces on a rate-limited bridge, docs/emulate.md; needs root); they are remo
 ``--engine ray [--address ADDR]``: run each daemon as (a child of) a Ray actor on a Ray cluster, or on a local
 Ray instance started for the job without ``--address`` (docs/ray.md; needs ``pip install "hmp[ray]"``).
 
-Exit code 0 when the job finished, 1 when a daemon failed (its log tail is printed) or emulated hosts
-cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
+However the job ends, once training has begun the scheduler writes the report and the model of what was trained,
+its ``final.status`` saying how it ended (completed, timeout, failed, interrupted; docs/report.md). Exit code 0
+when the job finished, 1 when a daemon failed (one line names it, the cause from its log and a hint), ``--timeout``
+passed or emulated hosts cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
+
+Only the standard library is imported before the fork server is asked to start (it imports torch meanwhile).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
-import uvloop
-
-from hmp import log as hmp_log
-from hmp.emulate import EmulationUnavailable
 from hmp.errors import ConfigError
-from hmp.nodes import forkserver
 
 
 class ProgressBar:
@@ -65,16 +66,26 @@ class ProgressBar:
 async def _launch(args: argparse.Namespace) -> int:
     # Imported here, not at the top: main() has started the fork server first, so its import of torch and
     # this process's (through hmp.job) run at once on two cores instead of one after the other (~2 s).
+    import structlog
+
+    from hmp import log as hmp_log
+
+    # Before the modules that bind their loggers at import (hmp.cluster's): the launcher's lines go to stderr.
+    hmp_log.configure("auto")
     from hmp import job
-    from hmp.cluster import JobFailed, LocalCluster
+    from hmp.cluster import JobFailed, JobTimedOut, LocalCluster
     from hmp.data import DataWarning
+    from hmp.emulate import EmulationUnavailable
 
     # The data too, once, here: a bad file or a model that does not fit it is one line and exit 2 before any daemon
     # starts (docs/data.md); the daemons then load only their part. Advice (e.g. standardize) is one line each.
     with warnings.catch_warnings(record=True) as advice:
         warnings.simplefilter("always", DataWarning)
         cfg = job.with_env(job.load(args.config, data=True))
-    hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+    if cfg.job.log_format != "auto":
+        hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+    log = structlog.get_logger("hmp").bind(role="launcher")
+    log.info("config_checked", config=str(cfg.path), nodes=len(cfg.nodes))
     for w in advice:
         if issubclass(w.category, DataWarning):
             print(f"hmp-launch: warning: {w.message}", file=sys.stderr, flush=True)
@@ -87,8 +98,11 @@ async def _launch(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     interrupted = False
 
-    def on_signal() -> None:
+    def on_signal() -> None:  # a second one skips the wait for the scheduler's report (Launcher.stop)
         nonlocal interrupted
+        if not interrupted:
+            print("\nhmp-launch: stopping the job; the scheduler writes its report (Ctrl-C again: stop at once)",
+                  file=sys.stderr, flush=True)
         interrupted = True
         assert task is not None
         task.cancel()
@@ -104,8 +118,11 @@ async def _launch(args: argparse.Namespace) -> int:
     else:
         cluster = LocalCluster(cfg, resume=args.resume, hosts=args.hosts)  # a bad placement: ConfigError, exit 2
         print(f"hmp-launch: {len(cfg.nodes)} daemons from {cfg.path}; logs in {cfg.report_dir / 'logs'}", flush=True)
+    t_launch = time.time()
+    failure: JobFailed | None = None
     try:
         async with cluster:
+            print(reach_line(cfg, cluster.scheduler_address, cluster.token_file), flush=True)
             for nid, url in getattr(cluster, "metrics_urls", {}).items():
                 print(f"hmp-launch: metrics of {nid}: {url}", flush=True)
             if isinstance(cluster, LocalCluster) and cluster.hosts is not None:
@@ -115,22 +132,33 @@ async def _launch(args: argparse.Namespace) -> int:
                     f"[{' '.join(ids)}]" for h, ids in placed.items()), flush=True)
             try:
                 report = await cluster.train(timeout_s=args.timeout, progress=bar)
-            except JobFailed as exc:
+            except JobFailed as exc:  # the `async with` then has the scheduler write the report, and stops the rest
                 bar.close()
-                print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
-                return 1
+                failure = exc
     except EmulationUnavailable as exc:
         print(f"hmp-launch: no emulated hosts here: {exc}", file=sys.stderr)
         return 1
     except JobFailed as exc:  # while starting (under Ray: a daemon that never served, an actor Ray cannot place)
-        print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
+        print(f"hmp-launch: job failed: {exc.cause}", file=sys.stderr)
+        print(f"  logs: {cfg.report_dir / 'logs'}", file=sys.stderr)
         return 1
     except asyncio.CancelledError:
         bar.close()
         if interrupted:  # stopping the daemons (and removing emulated hosts) is done: the `async with` ended
             print("hmp-launch: interrupted; every daemon stopped", file=sys.stderr)
+            print_written(cfg, t_launch, sys.stderr)
             return 130
         raise
+    if failure is not None:
+        if isinstance(failure, JobTimedOut):
+            print(f"hmp-launch: timeout: the job ran longer than --timeout {args.timeout:g} s and was stopped",
+                  file=sys.stderr)
+        else:
+            print(f"hmp-launch: job failed: {failure.cause}", file=sys.stderr)
+            if failure.node:
+                print(f"  log: {cluster.log_path(failure.node)}", file=sys.stderr)
+        print_written(cfg, t_launch, sys.stderr)
+        return 1
     bar.close()
     final = report.get("final", {})
     print(f"hmp-launch: job finished: {final.get('stop_reason', '')}")
@@ -150,6 +178,30 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"  work redone: {report['work_redone']} examples handed out again")
     print(f"report: {cfg.report_dir / 'report.json'}, plot: {cfg.report_dir / 'loss.png'}")
     return 0
+
+
+def reach_line(cfg: Any, address: str, token_file: Path) -> str:
+    """How a client outside the topology reaches the running job (README, ``hmp.connect``)."""
+    line = (f"hmp-launch: scheduler at {address}; job token in {token_file} (while the job runs): "
+            f"await hmp.connect({str(cfg.path)!r}, {address!r}, token=open({str(token_file)!r}).read())")
+    if cfg.security.curve:
+        line += f"; CURVE keys in {cfg.resolve(cfg.security.key_dir)} (a client uses its own: hmp-keygen DIR --client NAME)"
+    return line
+
+
+def print_written(cfg: Any, since: float, stream: Any) -> None:
+    """Say where the report and the model of this run are, with its status, if the scheduler wrote them."""
+    path = cfg.report_dir / "report.json"
+    try:
+        if path.stat().st_mtime < since:
+            raise FileNotFoundError  # an earlier run's
+        final = json.loads(path.read_text()).get("final", {})
+    except (OSError, ValueError):
+        print("  no report: training had not begun", file=stream)
+        return
+    model = final.get("model") or f"none ({final.get('model_error', 'not written')})"
+    print(f"  report: {path} (status {final.get('status', '?')}; {final.get('stop_reason', '')}); model: {model}",
+          file=stream)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"hmp-launch: --engine ray: {exc}", file=sys.stderr)
             return 2
-    if forkserver.enabled() and args.engine == "local":
-        forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
+    if args.engine == "local":
+        from hmp.nodes import forkserver
+
+        if forkserver.enabled():
+            forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
+    import uvloop
+
     try:
         return uvloop.run(_launch(args))
     except ConfigError as exc:

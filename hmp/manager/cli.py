@@ -113,7 +113,8 @@ def manager_main(argv: list[str] | None = None) -> int:
 #: seconds between hmp-submit --wait's status polls (below JobManager's status_linger_s, so that a stopping
 #: manager's last answer is seen)
 WAIT_POLL_S = 0.5
-#: seconds hmp-submit waits for a TCP connection to the manager before saying that none listens there
+#: seconds hmp-submit tries to connect to the manager (again every 0.1 s while refused: a manager starting at the
+#: same time) before saying that none listens there
 PROBE_TIMEOUT_S = 2.0
 
 
@@ -121,6 +122,7 @@ def nobody_listening(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """Why no manager can be at ``address`` ("" when something listens there, or it cannot be told): ZeroMQ
     connects lazily and would only let a request time out, so a plain connection is tried first."""
     import socket
+    import time
 
     if address.startswith("ipc://"):
         path = address[len("ipc://"):]
@@ -128,15 +130,19 @@ def nobody_listening(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     if not address.startswith("tcp://"):
         return ""
     host, _, port = address[len("tcp://"):].rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return ""
+        except ValueError:
             return ""
-    except ValueError:
-        return ""
-    except TimeoutError:
-        return f"no answer to a connection within {timeout_s:g} s"
-    except OSError as exc:
-        return exc.strerror or str(exc)
+        except TimeoutError:
+            return f"no answer to a connection within {timeout_s:g} s"
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                return f"{exc.strerror or exc}, for {timeout_s:g} s"
+            time.sleep(0.1)
 
 
 async def _submit(args: argparse.Namespace) -> int:

@@ -41,7 +41,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stats import CpuMeter, cpu_line, free_port, is_quiet, load_average, spread
 
-import hmp  # light: where this hmp's bin/ is
+import hmp  # light: the checkout measured
+
+#: the checkout whose hmp is imported (PYTHONPATH): the launcher runs there, since ``python -m`` (the fork server)
+#: puts the working folder first on the import path
+HMP_ROOT = Path(hmp.__file__).resolve().parents[1]
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).parent / "hmp-launch"
@@ -84,7 +88,7 @@ def one_run(config: Path, folder: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stderr_lines: list[str] = []
     t0 = time.time()
-    proc = subprocess.Popen([str(LAUNCH), str(cfg)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([str(LAUNCH), str(cfg)], cwd=HMP_ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     reader = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
     reader.start()
@@ -135,7 +139,7 @@ def time_help(cmd: list[str], runs: int) -> dict[str, Any] | None:
     walls = []
     for _ in range(runs):
         t = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+        done = subprocess.run(cmd, cwd=HMP_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
                               check=False)
         if done.returncode != 0:
             return None
@@ -167,7 +171,7 @@ def main() -> None:
     bins = Path(sys.executable).parent
     helps = {f"hmp.nodes.main {role} --help": [sys.executable, "-m", "hmp.nodes.main", role, "--help"]
              for role in ("scheduler", "ps", "cpu_worker", "gpu_worker")}
-    helps["bin/hmp-ps --help"] = [str(Path(hmp.__file__).resolve().parents[1] / "bin" / "hmp-ps"), "--help"]
+    helps["bin/hmp-ps --help"] = [str(HMP_ROOT / "bin" / "hmp-ps"), "--help"]
     helps["hmp-launch --help"] = [str(bins / "hmp-launch"), "--help"]
     help_s = {name: time_help(cmd, args.help_runs) for name, cmd in helps.items()}
     wall = round(time.monotonic() - t_start, 1)

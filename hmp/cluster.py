@@ -51,12 +51,12 @@ from hmp.config import WORKER_ROLES, Config, Role
 from hmp.emulate import EmulatedHosts, check_placement, topology_on_hosts
 from hmp.errors import ConfigError
 from hmp.launcher import terminate
-from hmp.launcher.base import JobFailed, Launcher
+from hmp.launcher.base import JobFailed, JobTimedOut, Launcher
 from hmp.metrics import check_ports, read_urls
 from hmp.nodes.forkserver import ForkedProcess, ForkServer, ForkServerExited
 from hmp.nodes.forkserver import enabled as forkserver_enabled
 
-__all__ = ["JobFailed", "LocalCluster", "START_ORDER"]
+__all__ = ["JobFailed", "JobTimedOut", "LocalCluster", "START_ORDER"]
 
 _log = structlog.get_logger("hmp").bind(role="launcher")
 
@@ -94,6 +94,7 @@ class LocalCluster(Launcher):
         self._hosts_dir: str | None = None  # the derived config's folder, removed by stop()
         self._relay: asyncio.subprocess.Process | None = None  # emulated hosts: hmp.launcher.relay
         self._logs: dict[str, Any] = {}
+        self._forkserver_logged = False
 
     @property
     def procs(self) -> dict[str, asyncio.subprocess.Process | ForkedProcess]:
@@ -139,6 +140,8 @@ class LocalCluster(Launcher):
         log = self._log_paths[node.id] = self.log_dir / (log_name or f"{node.id}.log")
         if forkserver_enabled():  # a fork of a process that has imported torch already (docs/architecture.md)
             self.procs[node.id] = await self._fork(node.host, args, str(log))
+            self._log_forkserver_ready()
+            _log.info("daemon_started", node=node.id, pid=self.procs[node.id].pid, log=str(log))
             return
         cmd = [sys.executable, "-m", "hmp.nodes.main", *args]
         if self.hosts is not None:
@@ -150,6 +153,15 @@ class LocalCluster(Launcher):
         # the daemons in order instead of all of them dying at once.
         self.procs[node.id] = await asyncio.create_subprocess_exec(
             *cmd, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
+        _log.info("daemon_started", node=node.id, pid=self.procs[node.id].pid, log=str(log))
+
+    def _log_forkserver_ready(self) -> None:
+        """Once: when the fork server had imported what daemons need, and how long that took it."""
+        server = ForkServer.shared()
+        if self._forkserver_logged or server.ready_at is None:
+            return
+        self._forkserver_logged = True
+        _log.info("forkserver_ready", at=round(server.ready_at, 3), import_s=server.import_s)
 
     async def _exit_code(self, node_id: str) -> tuple[int | None, str]:
         return await self.procs[node_id].wait(), ""

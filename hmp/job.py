@@ -363,25 +363,38 @@ def _first_layer(model: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
+#: models with at most this many parameters are checked on the CPU (:func:`check_model_fits`), larger ones on the
+#: meta device
+REAL_CHECK_MAX_PARAMETERS = 1_000_000
+
+
 def check_model_fits(cfg: Config, ds: data_mod.Dataset) -> None:
     """One forward pass of two real rows of ``ds`` through ``[model]``: a model that does not fit the data, or
     whose outputs cannot score its labels, is a ConfigError naming both shapes (before any daemon trains,
     rather than a traceback from a worker mid-training). On the meta device first (no memory, no
-    initialisation); a model that cannot run there (e.g. it reads a value) is built for real."""
+    initialisation) unless it is small (:data:`REAL_CHECK_MAX_PARAMETERS`); a model that cannot run there (e.g. it
+    reads a value) is built for real."""
     x = data_mod.whole_batch(ds.x_train[:2] if len(ds.x_train) else ds.x_test[:2])  # sparse rows: a CSRBatch
     if not len(x):
         return
     where = str(cfg.resolve(cfg.data.path)) if cfg.data.path else f"[data] kind = {cfg.data.kind!r}"
     m = cfg.model
     key = "model.args" if not models.is_import_path(m.name) else "model.name"
+    real = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.device("meta"):
                 model = models.from_config(cfg)
-            with torch.no_grad():
-                out = model(x.to("meta"))
+            # A small model runs for real: quicker than a first forward on the meta device, which imports
+            # torch's symbolic-shape machinery (sympy, dynamo; seconds of CPU at every launch).
+            real = sum(p.numel() for p in model.parameters()) <= REAL_CHECK_MAX_PARAMETERS
+            if not real:
+                with torch.no_grad():
+                    out = model(x.to("meta"))
     except Exception:  # noqa: BLE001 (whatever the model raises is reported below, from a real run)
+        real = True
+    if real:
         model = models.from_config(cfg, seed=m.seed)
         try:
             with torch.no_grad():

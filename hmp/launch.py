@@ -12,27 +12,29 @@ namespaces on a rate-limited bridge, docs/emulate.md; needs root); they are remo
 ``--engine ray [--address ADDR]``: run each daemon as (a child of) a Ray actor on a Ray cluster, or on a local
 Ray instance started for the job without ``--address`` (docs/ray.md; needs ``pip install "hmp[ray]"``).
 
-Exit code 0 when the job finished (or ``--check`` found nothing wrong), 1 when a daemon failed (its log tail is
-printed) or emulated hosts cannot be made here, 2 on a config error, 130 on Ctrl-C or SIGTERM.
+Exit code 0 when the job finished (or ``--check`` found nothing wrong), 1 when a daemon failed (one line names
+it, the cause from its log and a hint), ``--timeout`` passed or emulated hosts cannot be made here, 2 on a config
+error, 130 on Ctrl-C or SIGTERM. However the job ends, once training has begun the scheduler writes the report and
+the model of what was trained, its ``final.status`` saying how it ended (completed, timeout, failed, interrupted;
+docs/report.md).
+
+Only the standard library is imported before the fork server is asked to start (it imports torch meanwhile).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import socket
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
-import uvloop
-
-from hmp import log as hmp_log
-from hmp.emulate import EmulationUnavailable
 from hmp.errors import ConfigError
-from hmp.nodes import forkserver
 
 
 class ProgressBar:
@@ -147,11 +149,20 @@ def _check(args: argparse.Namespace) -> int:
 
 async def _launch(args: argparse.Namespace) -> int:
     # Imported here, not at the top: main() has started the fork server first, so its import of torch and
-    # this process's (through hmp.job) run at once on two cores instead of one after the other (~2 s).
-    from hmp.cluster import JobFailed, LocalCluster
+    # this process's (through hmp.job) run at once on two cores instead of one after the other.
+    import structlog
+
+    from hmp import log as hmp_log
+
+    # Before the modules that bind their loggers at import (hmp.cluster's): the launcher's lines go to stderr.
+    hmp_log.configure("auto")
+    from hmp.cluster import JobFailed, JobTimedOut, LocalCluster
+    from hmp.emulate import EmulationUnavailable
 
     cfg = _checked_config(args)
-    hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+    if cfg.job.log_format != "auto":
+        hmp_log.configure(cfg.job.log_format)  # the launcher's own log lines (info and up), like a daemon's
+    structlog.get_logger("hmp").bind(role="launcher").info("config_checked", config=str(cfg.path), nodes=len(cfg.nodes))
     if args.engine == "ray":
         from hmp.ray_engine import RayCluster  # importable: main() checked
     bar = ProgressBar(cfg.train.epochs)
@@ -159,8 +170,11 @@ async def _launch(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     interrupted = False
 
-    def on_signal() -> None:
+    def on_signal() -> None:  # a second one skips the wait for the scheduler's report (Launcher.stop)
         nonlocal interrupted
+        if not interrupted:
+            print("\nhmp-launch: stopping the job; the scheduler writes its report (Ctrl-C again: stop at once)",
+                  file=sys.stderr, flush=True)
         interrupted = True
         assert task is not None
         task.cancel()
@@ -181,8 +195,11 @@ async def _launch(args: argparse.Namespace) -> int:
         if users:  # docs/own_loop.md
             print(f"hmp-launch: waiting for user workers {', '.join(users)} to join (hmp.Worker; with this job's "
                   f"token: the same HMP_JOB_TOKEN or [job] token)", flush=True)
+    t_launch = time.time()
+    failure: JobFailed | None = None
     try:
         async with cluster:
+            print(reach_line(cfg, cluster.scheduler_address, cluster.token_file), flush=True)
             for nid, url in getattr(cluster, "metrics_urls", {}).items():
                 print(f"hmp-launch: metrics of {nid}: {url}", flush=True)
             if isinstance(cluster, LocalCluster) and cluster.hosts is not None:
@@ -192,22 +209,33 @@ async def _launch(args: argparse.Namespace) -> int:
                     f"[{' '.join(ids)}]" for h, ids in placed.items()), flush=True)
             try:
                 report = await cluster.train(timeout_s=args.timeout, progress=bar)
-            except JobFailed as exc:
+            except JobFailed as exc:  # the `async with` then has the scheduler write the report, and stops the rest
                 bar.close()
-                print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
-                return 1
+                failure = exc
     except EmulationUnavailable as exc:
         print(f"hmp-launch: no emulated hosts here: {exc}", file=sys.stderr)
         return 1
     except JobFailed as exc:  # while starting (under Ray: a daemon that never served, an actor Ray cannot place)
-        print(f"hmp-launch: job failed: {exc}", file=sys.stderr)
+        print(f"hmp-launch: job failed: {exc.cause}", file=sys.stderr)
+        print(f"  logs: {cfg.report_dir / 'logs'}", file=sys.stderr)
         return 1
     except asyncio.CancelledError:
         bar.close()
         if interrupted:  # stopping the daemons (and removing emulated hosts) is done: the `async with` ended
             print("hmp-launch: interrupted; every daemon stopped", file=sys.stderr)
+            print_written(cfg, t_launch, sys.stderr)
             return 130
         raise
+    if failure is not None:
+        if isinstance(failure, JobTimedOut):
+            print(f"hmp-launch: timeout: the job ran longer than --timeout {args.timeout:g} s and was stopped",
+                  file=sys.stderr)
+        else:
+            print(f"hmp-launch: job failed: {failure.cause}", file=sys.stderr)
+            if failure.node:
+                print(f"  log: {cluster.log_path(failure.node)}", file=sys.stderr)
+        print_written(cfg, t_launch, sys.stderr)
+        return 1
     bar.close()
     final = report.get("final", {})
     print(f"hmp-launch: job finished: {final.get('stop_reason', '')}")
@@ -227,6 +255,30 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"  work redone: {report['work_redone']} examples handed out again")
     print(f"report: {cfg.report_dir / 'report.json'}" + (f", plot: {cfg.report_dir / 'loss.png'}" if cfg.job.plot else ""))
     return 0
+
+
+def reach_line(cfg: Any, address: str, token_file: Path) -> str:
+    """How a client outside the topology reaches the running job (README, ``hmp.connect``)."""
+    line = (f"hmp-launch: scheduler at {address}; job token in {token_file} (while the job runs): "
+            f"await hmp.connect({str(cfg.path)!r}, {address!r}, token=open({str(token_file)!r}).read())")
+    if cfg.security.curve:
+        line += f"; CURVE keys in {cfg.resolve(cfg.security.key_dir)} (a client uses its own: hmp-keygen DIR --client NAME)"
+    return line
+
+
+def print_written(cfg: Any, since: float, stream: Any) -> None:
+    """Say where the report and the model of this run are, with its status, if the scheduler wrote them."""
+    path = cfg.report_dir / "report.json"
+    try:
+        if path.stat().st_mtime < since:
+            raise FileNotFoundError  # an earlier run's
+        final = json.loads(path.read_text()).get("final", {})
+    except (OSError, ValueError):
+        print("  no report: training had not begun", file=stream)
+        return
+    model = final.get("model") or f"none ({final.get('model_error', 'not written')})"
+    print(f"  report: {path} (status {final.get('status', '?')}; {final.get('stop_reason', '')}); model: {model}",
+          file=stream)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if args.resume or args.hosts or args.timeout is not None:
             ap.error("--check starts nothing: no --resume, --hosts or --timeout with it")
-    elif forkserver.enabled() and args.engine == "local":
-        forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
+    elif args.engine == "local":
+        from hmp.nodes import forkserver
+
+        if forkserver.enabled():
+            forkserver.ForkServer.shared()  # LocalCluster forks every daemon from it; it starts importing now
+    import uvloop
+
     try:
         return _check(args) if args.check else uvloop.run(_launch(args))
     except ConfigError as exc:

@@ -14,6 +14,10 @@ from typing import Any
 #: meaning changes, not when a key is added
 SCHEMA_VERSION = 1
 
+#: how a job ended (``final.status``): its stop rules ended it (``completed``), the launcher's timeout passed
+#: (``timeout``), it failed (``failed``), or it was stopped before it finished (``interrupted``: Ctrl-C, SIGTERM)
+STATUSES = ("completed", "timeout", "failed", "interrupted")
+
 from hmp.plots import plot_report
 
 

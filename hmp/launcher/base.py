@@ -28,6 +28,7 @@ from hmp.config import WORKER_ROLES, Config, Role
 from hmp.config.toml_text import write_run_config
 from hmp.errors import HmpError
 from hmp.launcher import Service, tail
+from hmp.launcher.diagnose import failure_line
 from hmp.messages import Shutdown, Status
 from hmp.transport import security
 from hmp.transport.endpoint import Client
@@ -37,11 +38,18 @@ _log = structlog.get_logger("hmp").bind(role="launcher")
 
 
 class JobFailed(HmpError):
-    """A daemon exited non-zero (or the job timed out); ``node`` names it, ``log_tail`` shows why."""
+    """A daemon exited non-zero (or the job timed out); ``node`` names it, ``log_tail`` shows why, and ``cause`` says
+    it in one line: the daemon, the cause from its log and, where there is a usual remedy, a hint
+    (:func:`hmp.launcher.diagnose.failure_line`)."""
 
-    def __init__(self, message: str, node: str = "", log_tail: str = "") -> None:
+    def __init__(self, message: str, node: str = "", log_tail: str = "", cause: str = "") -> None:
         super().__init__(message + (f"\n--- last lines of {node}'s log ---\n{log_tail}" if log_tail else ""))
         self.node, self.log_tail = node, log_tail
+        self.cause = cause or message
+
+
+class JobTimedOut(JobFailed):
+    """The job still ran when ``train()``'s timeout passed; it was stopped, its report written (status ``timeout``)."""
 
 
 class Launcher(Service):
@@ -86,6 +94,11 @@ class Launcher(Service):
         self._status_client: Client | None = None  # one socket for every status() poll, closed in stop()
         self._stopping = False
         self._t_start = time.monotonic()
+        #: how the launcher ended the job when it did so itself ("timeout", "failed", "interrupted"; None: the job
+        #: ended on its own): the status the scheduler writes in the report when asked to stop
+        self.end_status: str | None = None
+        #: where the job's token is written for clients outside the topology (``hmp.connect``), while the job runs
+        self.token_file = self.cfg.report_dir / "job.token"
 
     def _daemon_env(self, environ: dict[str, str]) -> dict[str, str]:
         """The environment the daemons get, from this process's with the caller's ``env`` on top."""
@@ -100,6 +113,17 @@ class Launcher(Service):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._t_start = time.monotonic()
         cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)
+        # Readable by this user only: whoever holds the token may take part in the job (docs/security.md).
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.job_token)
+
+    @property
+    def scheduler_address(self) -> str:
+        """Where clients reach the job's scheduler (``hmp.connect``; with emulated hosts, the scheduler's host
+        address inside its namespace)."""
+        s = self.cfg.scheduler
+        return s.advertise or s.bind
 
     def _release(self) -> None:
         """What the engine frees after its daemons; not a coroutine, so that a second cancel cannot cut it short."""
@@ -114,6 +138,14 @@ class Launcher(Service):
 
     def log_tail(self, node_id: str, lines: int = 15) -> str:
         return tail(self._log_paths.get(node_id) or self.log_dir / f"{node_id}.log", lines)
+
+    def log_path(self, node_id: str) -> Path:
+        """Daemon ``node_id``'s log (its latest, for a restarted one)."""
+        return self._log_paths.get(node_id) or self.log_dir / f"{node_id}.log"
+
+    def failure_line(self, node_id: str, what: str) -> str:
+        """One line on why daemon ``node_id`` failed (``what``: how it ended, when its log does not say)."""
+        return failure_line(node_id, str(self.cfg.node(node_id).role), self.log_tail(node_id, 200), what)
 
     async def status(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
         """The scheduler's status, or None if it does not answer. Every poll goes through one socket."""
@@ -186,17 +218,22 @@ class Launcher(Service):
                                      note="the job goes on while [train] min_workers remain")
                     elif self.worker_exits:  # the job failed after (likely: because) a worker died
                         first, first_code = next(iter(self.worker_exits.items()))
+                        self.end_status = "failed"
                         raise JobFailed(f"daemon {first} exited with code {first_code}, then {nid} {what}",
                                         first, self.log_tail(first) + f"\n--- last lines of {nid}'s log ---\n"
-                                        + self.log_tail(nid))
+                                        + self.log_tail(nid),
+                                        cause=self.failure_line(first, f"exited with code {first_code}"))
                     else:
-                        raise JobFailed(f"daemon {nid} {what}", nid, self.log_tail(nid))
+                        self.end_status = "failed"
+                        raise JobFailed(f"daemon {nid} {what}", nid, self.log_tail(nid),
+                                        cause=self.failure_line(nid, what))
                 if progress is not None and self._alive(self.cfg.scheduler.id):
                     st = await self.status(timeout_s=min(poll_s, 2.0))
                     if st:
                         progress(st)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise JobFailed(f"job still running after {timeout_s} s")
+                    self.end_status = "timeout"
+                    raise JobTimedOut(f"job still running after {timeout_s} s: stopped")
         finally:
             for t in waits:
                 t.cancel()
@@ -213,10 +250,18 @@ class Launcher(Service):
     # ------------------------------------------------------------------------------------ stopping
 
     async def stop(self) -> None:
-        """Stop every daemon still running (SIGTERM, then SIGKILL after the grace period), then free what the
-        engine holds and this job's shared memory left by killed daemons (docs/shm.md), also when cancelled."""
+        """End the job: a scheduler still running is first asked to stop (it writes the report and the model of
+        what was trained, with the status :attr:`end_status`, default ``interrupted``) and given the grace period
+        to do so; then every daemon still running is stopped (SIGTERM, then SIGKILL after the grace period), and
+        what the engine holds and this job's shared memory left by killed daemons (docs/shm.md) are freed, also
+        when cancelled (a second Ctrl-C skips the wait for the scheduler)."""
         self._stopping = True  # no more restarts
+        cancelled: BaseException | None = None
         try:
+            try:
+                await self._end_job()
+            except asyncio.CancelledError as exc:
+                cancelled = exc
             if self._status_client is not None:
                 client, self._status_client = self._status_client, None
                 with contextlib.suppress(Exception):
@@ -225,3 +270,25 @@ class Launcher(Service):
         finally:
             self._release()
             cleanup_stale(self.cfg.job.name, self.cfg.shm.dir)
+            with contextlib.suppress(OSError):
+                self.token_file.unlink()
+        if cancelled is not None:
+            raise cancelled
+
+    async def _end_job(self) -> None:
+        """Ask a scheduler that still runs to stop the job with :attr:`end_status` as its report's status, and wait
+        (at most the grace period) until it has written the report and exited."""
+        scheduler = self.cfg.scheduler.id
+        if scheduler not in self.daemons or not self._alive(scheduler):
+            return
+        status = self.end_status or "interrupted"
+        _log.info("stopping_job", status=status, note="the scheduler writes the report of what was trained")
+        try:
+            await self.status(timeout_s=2.0)  # opens the one launcher socket
+            if self._status_client is None:
+                return
+            await self._status_client.request(Shutdown(reason=status), timeout_s=2.0)
+            await asyncio.wait_for(self._exit_code(scheduler), self.grace_s)
+        except (HmpError, TimeoutError) as exc:
+            _log.warning("scheduler_did_not_stop", error=str(exc) or exc.__class__.__name__,
+                         note="every daemon is stopped now; the report may be missing")

@@ -22,13 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import uvloop
-
-from hmp import log as hmp_log
-from hmp.emulate import EmulationUnavailable
 from hmp.errors import ConfigError, HmpError, RemoteError
-from hmp.messages import Ack, Status, Submit
-from hmp.transport.endpoint import Client
+
+# The transport (zmq), the event loop and logging are imported once the arguments are parsed: --help and a
+# missing manager answer at once.
 
 #: Where hmp-manager listens and hmp-submit looks by default (this machine only).
 DEFAULT_ADDRESS = "tcp://127.0.0.1:47399"
@@ -47,6 +44,8 @@ def _line(event: str, r: Any) -> None:
 
 
 async def _manage(args: argparse.Namespace) -> int:
+    from hmp import log as hmp_log
+    from hmp.emulate import EmulationUnavailable
     from hmp.manager.service import JobManager
 
     hmp_log.configure("auto")
@@ -102,11 +101,48 @@ def manager_main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"hmp-manager: --engine ray needs Ray: pip install \"hmp[ray]\" ({exc})", file=sys.stderr)
             return 2
+    import uvloop
+
     try:
         return uvloop.run(_manage(args))
     except ConfigError as exc:
         print(f"hmp-manager: config error: {exc}", file=sys.stderr)
         return 2
+
+
+#: seconds between hmp-submit --wait's status polls (below JobManager's status_linger_s, so that a stopping
+#: manager's last answer is seen)
+WAIT_POLL_S = 0.5
+#: seconds hmp-submit tries to connect to the manager (again every 0.1 s while refused: a manager starting at the
+#: same time) before saying that none listens there
+PROBE_TIMEOUT_S = 2.0
+
+
+def nobody_listening(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """Why no manager can be at ``address`` ("" when something listens there, or it cannot be told): ZeroMQ
+    connects lazily and would only let a request time out, so a plain connection is tried first."""
+    import socket
+    import time
+
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        return "" if Path(path).exists() else f"no socket file {path}"
+    if not address.startswith("tcp://"):
+        return ""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return ""
+        except ValueError:
+            return ""
+        except TimeoutError:
+            return f"no answer to a connection within {timeout_s:g} s"
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                return f"{exc.strerror or exc}, for {timeout_s:g} s"
+            time.sleep(0.1)
 
 
 async def _submit(args: argparse.Namespace) -> int:
@@ -116,6 +152,14 @@ async def _submit(args: argparse.Namespace) -> int:
         print(f"hmp-submit: config error: {args.job}: key '<file>': a readable job file ({exc.strerror})",
               file=sys.stderr)
         return 2
+    why = await asyncio.to_thread(nobody_listening, args.manager)
+    if why:
+        print(f"hmp-submit: no job manager at {args.manager} ({why}); start one with hmp-manager, or name it "
+              f"with --manager ADDR", file=sys.stderr)
+        return 1
+    from hmp.messages import Ack, Status, Submit
+    from hmp.transport.endpoint import Client
+
     client = Client(args.manager, name="hmp-submit", timeout_s=args.timeout)
     await client.connect()
     try:
@@ -134,11 +178,12 @@ async def _submit(args: argparse.Namespace) -> int:
         if not args.wait:
             return 0
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WAIT_POLL_S)
             try:
-                st = await client.request(Status())
+                st = await client.request(Status(), timeout_s=min(args.timeout, 5.0))
             except HmpError as exc:
-                print(f"hmp-submit: lost the job manager at {args.manager}: {exc}", file=sys.stderr)
+                print(f"hmp-submit: lost the job manager at {args.manager} while job {job_id} ran: {exc}",
+                      file=sys.stderr)
                 return 1
             r = st.state.get("jobs", {}).get(job_id, {}) if isinstance(st, Status) else {}
             if r.get("status") in ("done", "failed", "stopped"):
@@ -156,6 +201,8 @@ def submit_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait", action="store_true", help="wait for the job to end and print its result")
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer of the manager")
     args = ap.parse_args(argv)
+    import uvloop
+
     return uvloop.run(_submit(args))
 
 

@@ -158,6 +158,7 @@ class JobManager(Service):
     ``model_type`` it does not know adds it: the job's gradient bytes and batch size, and its compute time
     measured here once (:func:`~hmp.manager.spec.profile_compute_s`). ``overrides``: section keys set in every job (e.g. a shorter
     ``train.max_seconds`` for tests). ``on_event``: called with (event name, JobResult) on start and end.
+    ``status_linger_s``: see :meth:`stop`.
     """
 
     def __init__(self, hosts: str | os.PathLike | EmulatedHosts | None = None, scheduler: str | Scheduler = "gadget",
@@ -165,7 +166,7 @@ class JobManager(Service):
                  run_dir: str | os.PathLike = "runs/jobs", bind: str | None = None, port_base: int = 47400,
                  grace_s: float = 5.0, overrides: Mapping[str, Mapping[str, Any]] | None = None,
                  on_event: Callable[[str, JobResult], None] | None = None, seed: int = 0,
-                 ray_options: Mapping[str, Any] | None = None) -> None:
+                 ray_options: Mapping[str, Any] | None = None, status_linger_s: float = 1.5) -> None:
         self.emulated: EmulatedHosts | None = None
         self._own_hosts = False
         #: the Ray cluster whose nodes are the hosts (None: not under Ray), and each node's RayHost by name
@@ -203,6 +204,9 @@ class JobManager(Service):
         self.bind = bind
         self.address = ""
         self.grace_s = grace_s
+        #: seconds the server still answers ``status`` at stop() after the jobs it ended are marked stopped (above
+        #: ``hmp-submit --wait``'s poll interval, so that a waiting client sees them)
+        self.status_linger_s = status_linger_s
         self.overrides = {k: dict(v) for k, v in (overrides or {}).items()}
         self.on_event = on_event
         self.results: dict[str, JobResult] = {}
@@ -233,12 +237,13 @@ class JobManager(Service):
                  emulated=self.emulated is not None)
 
     async def stop(self) -> None:
-        """Stop every job (each cluster stops its daemons: SIGTERM, then the grace period), then the hosts."""
+        """Stop every job (each cluster stops its daemons: SIGTERM, then the grace period), then the hosts. The
+        server answers ``status`` until every job is marked ``stopped`` and ``status_linger_s`` more, so that a
+        waiting ``hmp-submit --wait`` sees its job's end instead of a silent manager; new submissions are
+        refused from the start."""
         self._stopping = True
         try:
-            if self._server is not None:
-                server, self._server = self._server, None
-                await server.close()
+            ending = [jid for jid, r in self.results.items() if r.status in (QUEUED, RUNNING)]
             tasks = [t for t in self._tasks.values() if not t.done()]
             for t in tasks:
                 t.cancel()
@@ -251,6 +256,11 @@ class JobManager(Service):
                 fut = self._done.get(jid)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
+            if self._server is not None:
+                if ending and self.status_linger_s > 0:
+                    await asyncio.sleep(self.status_linger_s)
+                server, self._server = self._server, None
+                await server.close()
         finally:
             if self.emulated is not None and self._own_hosts:
                 self.emulated.close()  # blocking on purpose: it must happen even if this task is cancelled again

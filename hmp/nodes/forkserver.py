@@ -15,6 +15,7 @@ forking (importing numpy starts OpenBLAS's threads, which its own fork handlers 
 torch's DataLoader workers).
 
 Protocol on the server's stdin/stdout, JSON lines:
+  once its imports are done: ``{"ready": IMPORT_SECONDS}``;
   request ``{"id", "argv": [ROLE, ...], "env": {...}, "cwd", "log", "netns": NAME | null}`` -> ``{"id", "pid"}`` or ``{"id", "error"}``;
   when a daemon exits: ``{"exit": PID, "code": C}`` (C < 0: killed by signal -C, as ``Popen.returncode``).
 The server exits at the end of its stdin (its parent closed it, or died) or on SIGTERM/SIGINT; each daemon it
@@ -35,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -121,16 +123,31 @@ def _child(request: dict[str, Any], wakeup_fds: tuple[int, int], server_pid: int
         os._exit(code)
 
 
-def serve() -> int:
-    # Import everything a daemon needs, once (the point of this process); hmp.nodes.main also installs the
-    # early-signal handlers that forked daemons inherit, so a SIGTERM between fork and their loop is kept.
+def _preload() -> None:
+    """Import everything a daemon needs, once (the point of this process), including what daemons would each import
+    on their own later: the job's assembly, the data loaders, the event loop and structured logging."""
     import numpy  # noqa: F401
+    import structlog  # noqa: F401
     import torch  # noqa: F401
+    import uvloop  # noqa: F401
 
-    from hmp.nodes import main as node_main
+    from hmp import job  # noqa: F401
+    from hmp.data import loaders  # noqa: F401
     from hmp.nodes import ps_shard, ring_worker, scheduler, stage_worker, worker  # noqa: F401
+    from hmp.transport import security  # noqa: F401
 
+
+def serve() -> int:
+    t0 = time.perf_counter()
+    # hmp.nodes.main first: it installs the early-signal handlers that forked daemons inherit, so a SIGTERM
+    # between fork and their loop is kept.
+    from hmp.nodes import main as node_main
+
+    node_main.set_title("hmp-forkserver", "hmp-forkserver")
+    _preload()
     out = sys.stdout
+    out.write(json.dumps({"ready": round(time.perf_counter() - t0, 3)}) + "\n")
+    out.flush()
     server = os.getpid()
     read_fd, write_fd = os.pipe()  # SIGCHLD and SIGTERM wake the select below
     os.set_blocking(write_fd, False)
@@ -230,6 +247,9 @@ class ForkServer:
         self._exits: dict[int, concurrent.futures.Future[int]] = {}
         self._early_exits: dict[int, int] = {}  # an exit read before its spawn reply was handled
         self._dead = False
+        #: ``time.time()`` when the server said it had imported everything (None: not yet), and how long that took it
+        self.ready_at: float | None = None
+        self.import_s: float | None = None
         self._reader = threading.Thread(target=self._read, name="hmp-forkserver-reader", daemon=True)
         self._reader.start()
 
@@ -250,6 +270,9 @@ class ForkServer:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             msg = json.loads(line)
+            if "ready" in msg:
+                self.import_s, self.ready_at = float(msg["ready"]), time.time()
+                continue
             with self._lock:
                 if "exit" in msg:
                     fut = self._exits.get(msg["exit"])
@@ -259,7 +282,11 @@ class ForkServer:
                         fut.set_result(msg["code"])
                     continue
                 spawn = self._spawns.pop(msg["id"])
-            if "error" in msg:
+            if spawn.cancelled():  # its launcher gave up meanwhile (e.g. Ctrl-C while starting): nobody will stop it
+                if "pid" in msg:
+                    with contextlib.suppress(OSError):
+                        os.kill(msg["pid"], signal.SIGTERM)
+            elif "error" in msg:
                 spawn.set_exception(OSError(msg["error"]))
             else:
                 spawn.set_result(msg["pid"])

@@ -1,4 +1,11 @@
-"""Entry points of the four daemons (``[project.scripts]``): ``hmp-<role> --config FILE --id NAME``."""
+"""Entry points of the four daemons (``[project.scripts]``): ``hmp-<role> --config FILE --id NAME``.
+
+Only the standard library and the config are imported before the arguments are parsed (``--help`` answers at
+once); torch and the node modules come after. A daemon names itself in ``ps`` (role and id, :func:`set_title`),
+and one that cannot start (a config error, a device torch refuses) tells the scheduler it failed before it exits,
+so that the job fails at once, or goes on without it while ``[train] min_workers`` remain, instead of waiting out
+``join_timeout_s``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 
 # Remember SIGTERM/SIGINT that arrive while the daemon is still importing torch or loading data, before its
 # event loop owns the signals; Node.run replays them, so an early stop is as graceful (exit 0) as a late one.
@@ -20,12 +28,38 @@ def _remember_signal(sig: int, _frame: object) -> None:
 for _sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(_sig, _remember_signal)
 
-import uvloop  # noqa: E402  (after the handlers above, on purpose)
-
-from hmp import log as hmp_log  # noqa: E402
-from hmp import job  # noqa: E402
-from hmp.config import Consistency, Role  # noqa: E402
+# After the handlers above, on purpose.
+from hmp.config import WORKER_ROLES, Consistency, Role  # noqa: E402
 from hmp.errors import ConfigError, HmpError  # noqa: E402
+
+#: ``PR_SET_NAME``: the calling thread's name, what ``ps -o comm`` and ``top`` show (at most 15 bytes)
+_PR_SET_NAME = 15
+#: seconds a daemon that cannot start waits for the scheduler to take note that it failed
+FAILED_START_NOTICE_S = 5.0
+
+
+def set_title(title: str, comm: str) -> None:
+    """Name this process in ``ps``: ``comm`` (``ps -o comm``, cut to 15 bytes) through ``prctl(PR_SET_NAME)``, and
+    ``title`` as its command line (``ps -o args``) by overwriting the memory that held the process's arguments
+    (cut to their length, the rest zeroed: nothing past it is touched). A daemon forked from the fork server would
+    otherwise show the server's ``python -m hmp.nodes.forkserver``. Best effort: Linux only, silently nothing
+    elsewhere."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(comm.encode()[:15]), 0, 0, 0)
+        # Fields 48 and 49 of /proc/self/stat (Linux 3.5+): where the arguments' strings start and end.
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])
+    except (OSError, ValueError, IndexError, AttributeError):
+        return
+    size = end - start
+    if size < 2:
+        return
+    data = title.encode(errors="replace")[:size - 1]
+    ctypes.memmove(start, data + b"\0" * (size - len(data)), size)
 
 
 def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +80,12 @@ def _parse(role: str, argv: list[str] | None) -> argparse.Namespace:
 
 def _run(role: str, argv: list[str] | None = None) -> int:
     args = _parse(role, argv)
+    set_title(f"hmp-{role.replace('_', '-')} {args.id} --config {args.config}", f"hmp:{args.id}")
+    import uvloop
+
+    from hmp import job
+    from hmp import log as hmp_log
+
     try:
         cfg = job.with_env(job.load(args.config))
         node_cfg = cfg.node(args.id)
@@ -70,22 +110,36 @@ def _run(role: str, argv: list[str] | None = None) -> int:
     # nothing else in hmp changes it.
     torch.set_num_threads(node_cfg.threads)
 
-    async def go() -> int:
+    def build() -> Any:
         if role == Role.SCHEDULER:
-            from hmp.nodes.scheduler import SchedulerNode as cls
-            node = cls(cfg, args.id, resume=args.resume)
-        elif role == Role.PS:
+            from hmp.nodes.scheduler import SchedulerNode
+            return SchedulerNode(cfg, args.id, resume=args.resume)
+        if role == Role.PS:
             from hmp.nodes.ps_shard import PSShardNode
-            node = PSShardNode(cfg, args.id, resume=args.resume)
-        elif cfg.train.consistency == Consistency.ALLREDUCE:  # no PS: the workers' ring
+            return PSShardNode(cfg, args.id, resume=args.resume)
+        if cfg.train.consistency == Consistency.ALLREDUCE:  # no PS: the workers' ring
             from hmp.nodes.ring_worker import RingWorkerNode
-            node = RingWorkerNode(cfg, args.id)
-        elif cfg.placement.enabled:  # a pipeline job: the worker runs the stage it is assigned
+            return RingWorkerNode(cfg, args.id)
+        if cfg.placement.enabled:  # a pipeline job: the worker runs the stage it is assigned
             from hmp.nodes.stage_worker import StageWorkerNode
-            node = StageWorkerNode(cfg, args.id)
-        else:
-            from hmp.nodes.worker import WorkerNode
-            node = WorkerNode(cfg, args.id)
+            return StageWorkerNode(cfg, args.id)
+        from hmp.nodes.worker import WorkerNode
+        return WorkerNode(cfg, args.id)
+
+    async def go() -> int:
+        try:
+            node = build()
+        except Exception as exc:
+            # It cannot start (e.g. a device torch refuses): say so in one line, and tell the scheduler, which
+            # otherwise waits for its join until join_timeout_s.
+            why = str(exc) if isinstance(exc, HmpError) else f"{exc.__class__.__name__}: {exc}"
+            if not isinstance(exc, ConfigError):  # that one is printed below, as every config error
+                print(f"hmp-{role} {args.id}: cannot start: {why}", file=sys.stderr, flush=True)
+            if role in WORKER_ROLES:
+                await _tell_scheduler_failed(cfg, args.id, f"failed: cannot start: {why}")
+            if isinstance(exc, ConfigError):
+                raise
+            return 1
         ready = (lambda address: _write_ready(args.ready_file, address)) if args.ready_file else None
         return await node.run(pending_signals=_early_signals, ready=ready)
 
@@ -97,6 +151,27 @@ def _run(role: str, argv: list[str] | None = None) -> int:
     except HmpError as exc:
         print(f"hmp-{role} {args.id}: {exc}", file=sys.stderr)
         return 1
+
+
+async def _tell_scheduler_failed(cfg: Any, node_id: str, reason: str) -> None:
+    """Leave the job with ``reason`` (``failed: ...``) before ever joining it: the scheduler then judges at once
+    (the job fails, or goes on while ``[train] min_workers`` remain). Best effort, bounded: a scheduler that does
+    not answer still fails the job after join_timeout_s."""
+    from hmp.messages import Leave
+    from hmp.transport.client import Client
+    from hmp.transport.security import from_config
+
+    s = cfg.scheduler
+    client = Client(s.advertise or s.bind, name=node_id, job_token=cfg.job.token,
+                    security=from_config(cfg, node_id, serve=False) or False,
+                    timeout_s=min(FAILED_START_NOTICE_S, cfg.job.join_timeout_s))
+    try:
+        await client.connect()
+        await client.request(Leave(reason=reason))
+    except HmpError as exc:
+        print(f"hmp: {node_id}: the scheduler did not hear that it failed ({exc})", file=sys.stderr, flush=True)
+    finally:
+        await client.close()
 
 
 def _write_ready(path: str, address: str) -> None:

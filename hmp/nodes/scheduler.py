@@ -24,7 +24,7 @@ from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Le
                           RingAssign, Shards, Shutdown, StageAssign, Welcome, Work)
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
-from hmp.report import write_report
+from hmp.report import STATUSES, write_report
 from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, ReplicasChanged, RingFormed,
                                 SchedulerCore, ShardsChanged, ShardsReady, StopDecided, TargetReported, WorkerDropped, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
@@ -79,6 +79,8 @@ class SchedulerNode(Node):
                                                 if cfg.placement.enabled else None)
         self.worker_clients: dict[str, Client] = {}
         self.shard_clients: dict[str, Client] = {}  # for drop messages
+        #: the report's status if the job is stopped before it finishes (a launcher's shutdown may say "timeout")
+        self.end_status = "interrupted"
 
     def _resume(self) -> None:
         """``--resume``: continue from the saved state. None saved (a job that ended before schedulers
@@ -227,8 +229,11 @@ class SchedulerNode(Node):
         return Work(count=w.count, epoch=w.epoch, start=w.start)
 
     async def on_shutdown(self, msg: Shutdown, peer: bytes) -> Message:
-        """``finish``: end the job as a stop rule would (final evaluation, report); else interrupt it."""
+        """``finish``: end the job as a stop rule would (final evaluation, report); else interrupt it (a reason
+        that is a report status, e.g. the launcher's ``timeout``, is the report's ``final.status``)."""
         if not msg.finish:
+            if msg.reason in STATUSES:
+                self.end_status = msg.reason
             return await super().on_shutdown(msg, peer)
         self.log.info("finish_requested", by=msg.sender, reason=msg.reason)
         try:
@@ -425,15 +430,18 @@ class SchedulerNode(Node):
         self._dispatch_events()
         if self.core.failed:
             self.failed = self.core.failed
+            status = "failed"
         elif not self.workers_done.is_set():
             # Stopped by a signal or a shutdown request: a graceful stop, not a failure (exit 0),
             # but every node is told the job is over.
             self.core.interrupt()
             self.log.info("job_interrupted")
+            status = self.end_status
         else:
-            await self.finish()
-        if self.core.t0 is not None:  # however it ended: a --resume continues from here
-            await self.save_state()
+            status = "completed"
+        if self.core.t0 is not None:  # training happened: its report and model, however the job ended
+            await self.finish(status)
+            await self.save_state()  # a --resume continues from here
         self.core.end()
         await self.drain()
 
@@ -472,8 +480,9 @@ class SchedulerNode(Node):
         self.log.info("model_exported", path=str(path), parameters=final["parameters"])
         return {"model": str(path)}
 
-    async def finish(self) -> None:
-        """Evaluate the final parameters (or take the confirmed target's), export them, write the report."""
+    async def finish(self, status: str = "completed") -> None:
+        """Evaluate the final parameters (or take the confirmed target's), export them, write the report with
+        ``status`` (how the job ended, :data:`hmp.report.STATUSES`)."""
         if self.cfg.shards:
             async with self.evaluating:
                 final = self.result or {**await self.evaluate_shards(), "parameters": "end"}
@@ -488,6 +497,9 @@ class SchedulerNode(Node):
         if self.placement is not None:
             self.core.run_report.pipeline = self.placement.report()
         report = self.core.finish_report(final, time.monotonic())
+        report.final["status"] = status
+        if status == "failed":
+            report.final["stop_reason"] = self.core.failed or self.failed or "failed"
         paths = await self.in_thread(write_report, report, self.cfg.report_dir, self.cfg.job.plot)
         self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
                       report=str(paths[0]))

@@ -560,9 +560,10 @@ class SchedulerCore:
         left after their final report), or lost but expected back from a restart."""
         if self.stopping:
             return
-        # A worker that sent its final report and left did its share: it is not missing.
+        # A worker that sent its final report and left did its share: it is not missing. One not joined yet is
+        # still due (the join deadline fails the job if it never comes).
         remaining = [w for w in self.worker_ids
-                     if self.membership[w].state in UP | {S.JOINING, S.DONE} or w in self.awaiting_restart
+                     if self.membership[w].state in UP | {S.EXPECTED, S.JOINING, S.DONE} or w in self.awaiting_restart
                      or w in self.finished_workers]
         if len(remaining) < self.min_workers:
             who = ", ".join(remaining) or "none"

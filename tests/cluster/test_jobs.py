@@ -332,12 +332,13 @@ def test_cli_submit_and_stop(tmp_path):
     mgr = subprocess.Popen([BIN / "hmp-manager", "--hosts", hosts_file, "--no-emulate", "--scheduler", "first_fit",
                             "--bind", address, "--run-dir", tmp_path / "runs"], stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
-    # hmp-submit's request reaches the manager as soon as it listens (ZeroMQ connects when it can), so the bad
-    # submission starts now, while the manager starts: the manager refuses it with the file and key.
-    refused = subprocess.Popen([BIN / "hmp-submit", bad, "--manager", address], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    refused = None
     try:
         assert "listening on" in mgr.stdout.readline()
+        # hmp-submit first checks that something listens (no manager: one line at once), then sends: the manager
+        # refuses a bad file with the file and key.
+        refused = subprocess.Popen([BIN / "hmp-submit", bad, "--manager", address], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
         r = subprocess.run([BIN / "hmp-submit", good, "--manager", address, "--wait"], capture_output=True, text=True,
                            timeout=90)
         assert r.returncode == 0, r.stderr
@@ -345,9 +346,10 @@ def test_cli_submit_and_stop(tmp_path):
         _, err = refused.communicate(timeout=60)
         assert refused.returncode == 2 and "submit.max_workers" in err and str(bad) in err
     finally:
-        if refused.poll() is None:
-            refused.kill()
-        refused.communicate()
+        if refused is not None:
+            if refused.poll() is None:
+                refused.kill()
+            refused.communicate()
         mgr.send_signal(signal.SIGTERM)
         try:
             assert mgr.wait(timeout=30) == 0

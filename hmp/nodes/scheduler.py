@@ -25,6 +25,7 @@ from hmp.messages import (Ack, Assign, Discover, Drop, Heartbeat, Join, Kind, Le
 from hmp.nodes.base import Node
 from hmp.nodes.placement_loop import PlacementLoop
 from hmp.report import STATUSES, write_report
+from hmp.report import draw as draw_report
 from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, ReplicasChanged, RingFormed,
                                 SchedulerCore, ShardsChanged, ShardsReady, StopDecided, TargetReported, WorkerDropped, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
@@ -72,6 +73,7 @@ class SchedulerNode(Node):
         # confirmed target's evaluation, which is then the job's result.
         self.evaluating = asyncio.Lock()
         self.evaluated: PSClient | None = None
+        self.unplotted: dict[str, Any] | None = None  # the report's JSON, for loss.png after the drain
         self.result: dict[str, Any] | None = None
         self.job_failed = asyncio.Event()
         # [placement] jobs: the loop that plans the pipeline and re-plans when workers come and go.
@@ -444,6 +446,11 @@ class SchedulerNode(Node):
             await self.save_state()  # a --resume continues from here
         self.core.end()
         await self.drain()
+        if self.unplotted is not None:
+            try:
+                await self.in_thread(draw_report, self.unplotted, self.cfg.report_dir / "loss.png")
+            except Exception:  # noqa: BLE001 - a plot that cannot be drawn loses nothing: report.json has it all
+                self.log.exception("plot_failed")
 
     async def confirm_target(self, candidate: str) -> None:
         """A worker reported a target reached on its replica: evaluate the parameters the shards hold now.
@@ -500,7 +507,11 @@ class SchedulerNode(Node):
         report.final["status"] = status
         if status == "failed":
             report.final["stop_reason"] = self.core.failed or self.failed or "failed"
-        paths = await self.in_thread(write_report, report, self.cfg.report_dir, self.cfg.job.plot)
+        # report.json now; loss.png once every node has heard the job is over (run_job): drawing it is the
+        # slowest part of the end, and a scheduler starved meanwhile must not look lost to the shards.
+        paths = await self.in_thread(write_report, report, self.cfg.report_dir, False)
+        if self.cfg.job.plot:
+            self.unplotted = report.to_json()
         self.log.info("job_finished", **{k: v for k, v in final.items() if isinstance(v, (int, float, str))},
                       report=str(paths[0]))
 

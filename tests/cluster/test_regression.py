@@ -46,7 +46,7 @@ def write_job(tmp: Path, *, workers: int = 2, consistency: str = "async", epochs
 [job]
 name = "diabetes"
 report_dir = "{tmp / 'run'}"
-heartbeat_interval_s = 0.3
+heartbeat_interval_s = 0.5
 
 [model]
 {LINEAR}

@@ -47,6 +47,7 @@ def write_job(tmp: Path, *, workers: int = 2, consistency: str = "async", epochs
 name = "diabetes"
 report_dir = "{tmp / 'run'}"
 heartbeat_interval_s = 0.5
+plot = false  # the tests read report.json (tests/unit/test_task.py checks the plot's test-metric panel)
 
 [model]
 {LINEAR}

@@ -45,18 +45,27 @@ def load_diabetes_dataset(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     """scikit-learn's bundled diabetes (regression): x float32 ``[N, 10]`` (scikit-learn's scaled features),
     y float32 ``[N]``, a disease progression measure one year on (25 to 346), in its own units.
 
-    Seeded split, not stratified: 353 train / 89 test rows at the default fraction.
+    Seeded split, not stratified: 353 train / 89 test rows at the default fraction. Cached as digits is.
     """
+    cached = _digits_cache(test_fraction, seed, name="diabetes")
+    if cached is not None:
+        try:
+            with np.load(cached) as z:
+                return _dataset("diabetes", 0, z["xtr"], z["xte"], z["ytr"], z["yte"])
+        except (OSError, ValueError, KeyError):
+            pass  # missing or torn: build it again
     from sklearn.datasets import load_diabetes
 
     d = load_diabetes()
     xtr, xte, ytr, yte = _split(d.data.astype(np.float32), d.target.astype(np.float32), test_fraction, seed,
                                 stratify=False)
+    if cached is not None:
+        _write_cache(cached, xtr=xtr, xte=xte, ytr=ytr, yte=yte)
     return _dataset("diabetes", 0, xtr, xte, ytr, yte)
 
 
-def _digits_cache(test_fraction: float, seed: int) -> Path | None:
-    """Where the digits split is cached: importing scikit-learn's datasets and splitter costs every
+def _digits_cache(test_fraction: float, seed: int, name: str = "digits") -> Path | None:
+    """Where the digits (or another bundled set's, ``name``) split is cached: importing scikit-learn's datasets and splitter costs every
     daemon ~1.5 s of CPU at start, the cached arrays a millisecond. Keyed by scikit-learn's version
     and the split's arguments, so a different split is never read back. ``HMP_CACHE_DIR`` moves it
     (default ``$XDG_CACHE_HOME/hmp`` or ``~/.cache/hmp``); ``HMP_CACHE_DIR=off`` turns it off."""
@@ -70,7 +79,7 @@ def _digits_cache(test_fraction: float, seed: int) -> Path | None:
         version = importlib.metadata.version("scikit-learn")
     except importlib.metadata.PackageNotFoundError:
         return None
-    return Path(root) / f"digits-sklearn{version}-test{test_fraction!r}-seed{seed}.npz"
+    return Path(root) / f"{name}-sklearn{version}-test{test_fraction!r}-seed{seed}.npz"
 
 
 def _write_cache(path: Path, **arrays: np.ndarray) -> None:

@@ -113,7 +113,7 @@ async def test_diabetes_regression_on_a_ps_matches_least_squares(tmp_path):
     assert schema_errors(report, REPORT_SCHEMA) == []
     # the result is the model handed back: its R^2 on the test split is the report's
     data = job.dataset(job.load(cfg))
-    model = load_model(tmp_path / "run")
+    model = load_model(tmp_path / "run", raw_features=False)  # x_test is standardized already
     pred = model(data.x_test).detach().squeeze(1)
     r2 = 1 - float(((pred - data.y_test) ** 2).sum() / ((data.y_test - data.y_test.mean()) ** 2).sum())
     assert math.isclose(r2, final["r2"], abs_tol=1e-4)
@@ -147,7 +147,7 @@ async def test_a_user_loss_by_import_path_trains_and_scores(tmp_path):
     report = await run(cfg)
     final = report["final"]
     data = job.dataset(job.load(cfg))
-    model = load_model(tmp_path / "run")
+    model = load_model(tmp_path / "run", raw_features=False)  # x_test is standardized already
     with torch.no_grad():
         out = model(data.x_test).squeeze(1)
         huber = F.huber_loss(out, data.y_test, delta=10.0).item()
@@ -170,7 +170,7 @@ async def test_a_user_step_and_scorer_stop_on_their_metric(tmp_path):
     report = await run(cfg)
     final = report["final"]
     data = job.dataset(job.load(cfg))
-    model = load_model(tmp_path / "run")
+    model = load_model(tmp_path / "run", raw_features=False)  # x_test is standardized already
     with torch.no_grad():
         err = model(data.x_test).squeeze(1) - data.y_test
     print(f"user step + scorer job: {final['stop_reason']}; mae {final['mae']:.2f}, max_error "

@@ -22,6 +22,7 @@ from hmp.config import Config
 from hmp.messages import Leave, Message, Params, Pull, Push
 from hmp.ps.sharding import ShardedModel
 from hmp.train.evaluate import evaluate, evaluate_sweep
+from hmp.train.task import task_of
 from hmp.transport.codec import Limits
 from hmp.transport import security as sec
 from hmp.transport import Client, process_settings
@@ -310,7 +311,8 @@ class PSClient:
                              return_exceptions=True)
 
     def evaluate(self, dataset: Any = None) -> dict[str, float]:
-        """Test accuracy and loss of the current parameters on ``dataset`` (default: the config's)."""
+        """The test metrics of the current parameters on ``dataset`` (default: the config's), under the config's
+        ``[train] task`` (classification without a config)."""
         if dataset is None:
             if self.cfg is None:
                 raise ValueError("evaluate() needs a dataset when the client was built without a config")
@@ -319,5 +321,5 @@ class PSClient:
             dataset = job.dataset(self.cfg)
         if self.sharded.array is not None:
             return evaluate_sweep(self.sharded.array, dataset.x_test, dataset.y_test)
-        return evaluate(self.model, dataset.x_test, dataset.y_test)
+        return evaluate(self.model, dataset.x_test, dataset.y_test, task=task_of(self.cfg))
 

@@ -33,6 +33,7 @@ from hmp.hfta.optim import check_settings
 from hmp.pipeline.chunks import layer_aligned_layout
 from hmp.placement import spec as placement_spec
 from hmp.ps.sharding import ShardedModel, assign_chunks
+from hmp.train import task as task_mod
 
 
 def check(cfg: Config, *, data: bool = False) -> None:
@@ -41,6 +42,7 @@ def check(cfg: Config, *, data: bool = False) -> None:
     :class:`hmp.data.DataWarning`)."""
     check_data_config(cfg)
     models.check_config(cfg)
+    task_mod.check_config(cfg)
     if cfg.sweep.members:
         try:
             check_settings(cfg.sweep.optimizer, cfg.sweep.members)
@@ -276,6 +278,8 @@ def _load(cfg: Config, part: str, share: tuple[int, int] | None) -> data_mod.Dat
         spec.setdefault("n", d.samples)
     if d.sparse:
         spec["sparse"] = True
+    if d.kind in ("svmlight", "npz"):
+        spec["targets"] = task_mod.targets_of(cfg)
     if d.path:
         spec["path"] = str(cfg.resolve(d.path))
     if d.test_path:
@@ -416,6 +420,25 @@ def check_model_fits(cfg: Config, ds: data_mod.Dataset) -> None:
                 f"a model that fits the data: model {m.name!r} takes column indices in [0, {bag.num_embeddings}) "
                 f"(its first table: {bag!r}), but the sparse data has {ds.num_features} columns ({where}); give "
                 f"the table at least {ds.num_features} rows"))
+    task = task_mod.task_of(cfg)
+    if ds.regression and task.name == "classification":
+        raise ConfigError(cfg.path, "train.task", f"\"regression\" (or a task of your own) for float targets: the "
+                                                  f"data ({where}) has float32 targets, classification needs integer "
+                                                  "class labels")
+    if not task.builtin:
+        _check_user_task(cfg, ds, x)
+        return
+    if task.name == "regression":
+        if ds.num_classes and not ds.regression:
+            raise ConfigError(cfg.path, "train.task", f"\"classification\" for class labels ({where}); regression "
+                                                      f"needs float targets (data.targets = \"values\")")
+        per_row = int(math.prod(ds.y_train.shape[1:]))
+        if not isinstance(out, torch.Tensor) or out.shape[0] != len(x) or out[0].numel() != per_row:
+            shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(cfg.path, key, f"a model with one output per target value: model {m.name!r} gives "
+                                             f"{shape} for x {list(x.shape)}, the targets have {per_row} value(s) "
+                                             f"per row ({where})")
+        return
     labels = [t for t in (ds.y_train, ds.y_test) if len(t)]
     top = max(int(t.max()) for t in labels) if labels else -1
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != len(x):
@@ -426,6 +449,27 @@ def check_model_fits(cfg: Config, ds: data_mod.Dataset) -> None:
         raise ConfigError(cfg.path, key, (
             f"a model with an output per class: model {m.name!r} outputs {out.shape[1]} logits per row but the "
             f"labels go up to {top} ({top + 1} classes, {where}); give the model at least {top + 1} outputs"))
+
+
+def _check_user_task(cfg: Config, ds: data_mod.Dataset, x: Any) -> None:
+    """One loss (and score) of a task of your own on two real rows: a function that does not fit the model's
+    outputs or the data's targets is a ConfigError naming ``train.task`` (or ``task_score``) and what it raised."""
+    task = task_mod.task_of(cfg)
+    y = ds.y_train[:2] if len(ds.y_train) else ds.y_test[:2]
+    model = models.from_config(cfg, seed=cfg.model.seed)
+    try:
+        task.loss(model, x, y).backward()
+    except Exception as exc:  # noqa: BLE001 (a user's function may raise anything)
+        raise ConfigError(cfg.path, "train.task", f"a {cfg.train.task_kind} function that trains this model on "
+                                                  f"this data; on two rows (x {list(x.shape)}, y {y.dtype}"
+                                                  f"{list(y.shape)}) it raised {exc.__class__.__name__}: "
+                                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if task.score_fn is not None:
+        try:
+            task.score(model, x, y, torch.device("cpu"))
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(cfg.path, "train.task_score", f"a scorer (model, (x, y)) -> dict of metrics; on two "
+                                                            f"rows it raised {exc.__class__.__name__}: {exc}") from None
 
 
 def check_data(cfg: Config) -> list[str]:

@@ -55,8 +55,11 @@ class ProgressBar:
         for wid, w in sorted(workers.items()):
             if w:
                 parts.append(f"{wid} {w.get('samples_per_s', 0):7.0f} samples/s loss {w.get('loss', float('nan')):.3f}")
-        if st.get("best_accuracy"):
+        best = st.get("best_metric") or {}
+        if st.get("best_accuracy") and best.get("name", "test_accuracy") == "test_accuracy":
             parts.append(f"acc {st['best_accuracy']:.3f}")
+        elif best:
+            parts.append(f"{best['name']} {best['value']:.3f}")
         parts.append(f"{st.get('elapsed_s', 0):5.1f}s")
         line = " | ".join(parts)
         if self.tty:
@@ -242,6 +245,10 @@ async def _launch(args: argparse.Namespace) -> int:
     if "test_accuracy" in final:
         print(f"final test accuracy: {final['test_accuracy']:.4f}  (loss {final.get('test_loss', 0):.4f}, "
               f"{final.get('elapsed_s', 0):.1f} s)")
+    elif "test_loss" in final:  # another task: its metrics by name (docs/task.md)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k in ("test_loss", "r2", "rmse")
+                          or k == final.get("best_reported_metric"))
+        print(f"final {shown} ({final.get('elapsed_s', 0):.1f} s)")
     for wid, w in report.get("workers", {}).items():
         print(f"  {wid}: {w['updates']:.0f} updates ({w['update_share']:.0%}), {w['samples_per_s']:.0f} samples/s, "
               f"busy {w['busy_fraction']:.0%}, {w['bytes_out'] / 1e6:.1f} MB out")

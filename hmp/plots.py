@@ -1,8 +1,9 @@
-"""The run report's figure: loss, throughput per worker and update shares against wall time.
+"""The run report's figure: loss, the test metric, throughput per worker and update shares against wall time.
 
-:func:`plot_report` draws ``report.json``'s data as three panels sharing the time axis: each
-worker's training loss (and, dashed, the evaluating worker's test loss), each worker's samples/s
-between reports, and each worker's stacked share of all updates so far. Headless (matplotlib's Agg
+:func:`plot_report` draws ``report.json``'s data as four panels sharing the time axis: each
+worker's training loss (and, dashed, the evaluating worker's test loss), the evaluating worker's
+test metric (the task's: ``final.best_reported_metric``, e.g. test_accuracy or r2), each worker's
+samples/s between reports, and each worker's stacked share of all updates so far. Headless (matplotlib's Agg
 backend); it imports nothing of hmp.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 MARKERS_UP_TO = 30
 
 #: The panels :func:`plot_report` draws, top to bottom.
-PANELS = ("loss", "throughput", "update shares")
+PANELS = ("loss", "test metric", "throughput", "update shares")
 
 
 #: A throughput point spans at least this long: a report right after the one before it (the final report,
@@ -75,8 +76,9 @@ def plot_report(data: dict[str, Any], path: Path | str, title: str = "") -> dict
     series: dict[str, list[dict[str, Any]]] = data.get("series") or {}
     final_shares = {w: s.get("update_share") for w, s in (data.get("workers") or {}).items()}
     drawn: dict[str, dict[str, int]] = {p: {} for p in PANELS}
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), dpi=100, sharex=True)
-    ax_loss, ax_rate, ax_share = axes
+    metric = (data.get("final") or {}).get("best_reported_metric") or "test_accuracy"
+    fig, axes = plt.subplots(4, 1, figsize=(8, 11), dpi=100, sharex=True)
+    ax_loss, ax_metric, ax_rate, ax_share = axes
 
     def line(ax: Any, panel: str, label: str, pts: list[tuple[float, float]], **kw: Any) -> None:
         if not pts:
@@ -92,6 +94,8 @@ def plot_report(data: dict[str, Any], path: Path | str, title: str = "") -> dict
         line(ax_loss, "loss", w, [(p["t"], p["loss"]) for p in points if _finite(p.get("loss"))], color=colors[w])
         line(ax_loss, "loss", f"{w} test loss", [(p["t"], p["test_loss"]) for p in points
                                                   if _finite(p.get("test_loss"))], color=colors[w], linestyle="--")
+        line(ax_metric, "test metric", f"{w} {metric}", [(p["t"], p[metric]) for p in points
+                                                         if _finite(p.get(metric))], color=colors[w])
         line(ax_rate, "throughput", w, throughput(points), color=colors[w])
     times, shares = update_shares(series)
     if times:
@@ -109,7 +113,8 @@ def plot_report(data: dict[str, Any], path: Path | str, title: str = "") -> dict
                                colors=[colors[w] for w in names], alpha=0.8)
         for w in names:
             drawn["update shares"][w] = len(times)
-    for ax, panel, ylabel in ((ax_loss, "loss", "loss"), (ax_rate, "throughput", "samples/s"),
+    for ax, panel, ylabel in ((ax_loss, "loss", "loss"), (ax_metric, "test metric", metric),
+                              (ax_rate, "throughput", "samples/s"),
                               (ax_share, "update shares", "share of updates")):
         ax.set_title(panel, fontsize=10)
         ax.set_ylabel(ylabel)

@@ -131,8 +131,8 @@ def write_report(report: RunReport, out_dir: Path, plot: bool = True) -> tuple[P
 
 def draw(data: dict[str, Any], path: Path) -> None:
     """``loss.png`` of a report's JSON."""
-    plot_report(data, path, f"{data['job']}: loss, throughput and update shares ({data['consistency']}, "
-                            f"{data['policy']})")
+    plot_report(data, path, f"{data['job']}: loss, test metric, throughput and update shares "
+                            f"({data['consistency']}, {data['policy']})")
 
 
 def main(argv: list[str] | None = None) -> int:

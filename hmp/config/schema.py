@@ -55,6 +55,10 @@ class BatchPolicyKind(enum.StrEnum):
 WORKER_ROLES = (Role.CPU_WORKER, Role.GPU_WORKER, Role.USER_WORKER)
 #: ``[collective] algorithm``: hmp.collective.ring.ALGORITHMS (the ring's own list; a test keeps them equal)
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "halving")
+#: ``[train] task``'s built-in names (hmp.train.task.BUILTIN_TASKS; a test keeps them equal)
+TASK_NAMES = ("classification", "regression")
+#: ``[data] kind``'s built-in loaders (hmp.data.LOADERS less the generator only benchmarks use)
+DATA_KINDS = ("digits", "diabetes", "click", "synthetic", "svmlight", "npz")
 #: hmp.placement.registry.PLANNERS' names (not imported here: the registry imports torch)
 PLANNER_NAMES = ("bruteforce", "greedy", "random", "ga", "rl")
 
@@ -94,7 +98,8 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    kind: str = _field("digits", "digits | click | synthetic (generated, args: n, n_features, ...) | svmlight | npz (x of "
+    kind: str = _field("digits", "digits | diabetes (scikit-learn's, float targets: train.task = \"regression\") | "
+                                 "click | synthetic (generated, args: n, n_features, ...) | svmlight | npz (x of "
                                  "any shape [N, ...]) | an import path to a loader returning hmp.data.Dataset "
                                  "(docs/data.md)")
     path: str = _field("", "svmlight/npz: the file (relative paths: to the config file)")
@@ -105,6 +110,9 @@ class DataConfig:
                                       "split only (dense data)")
     sparse: bool = _field(False, "svmlight: keep the features sparse (CSR rows, from file to batch) for a sparse-input "
                                  "model (docs/data.md); false makes them a dense matrix")
+    targets: str = _field("", "svmlight/npz: what the labels are: classes (integer class labels, mapped to "
+                              "0..C-1) | values (float targets as they are, never standardized) | empty: values "
+                              "for train.task = \"regression\", else classes")
     args: dict = _field({}, "extra loader arguments")
     seed: int = _field(0, "split / generation seed")
 
@@ -145,6 +153,24 @@ class TrainConfig:
     min_workers: int = _field(1, "the job goes on while at least this many workers are live; a lost, hung or "
                                  "failed worker is dropped (its unfinished work goes back to the queue) instead "
                                  "of failing the job")
+    task: str = _field("classification", "how a batch becomes a loss and how the model is scored (docs/task.md): "
+                                         "classification (cross-entropy; test_accuracy, test_loss) | regression "
+                                         "(mean squared error; r2, rmse, test_loss) | an import path "
+                                         "'package.module:function' / 'path/to/file.py:function' (relative to the "
+                                         "config file) to a function of your own, see task_kind")
+    task_kind: str = _field("loss", "what the function train.task names is: loss ((output, target) -> batch-mean "
+                                    "loss) | step ((model, (x, y)) -> batch-mean loss: the whole step, model call "
+                                    "included)")
+    task_score: str = _field("", "a task of your own: an import path to a scorer (model, (x, y)) -> {metric: "
+                                 "number}, called on the whole test split; its metrics go into the report by name "
+                                 "(empty: test_loss only)")
+    target_metric: str = _field("", "stop once this evaluation metric (a key of report.json's final: "
+                                    "test_accuracy, test_loss, r2, rmse, a scorer's) reaches train.target "
+                                    "(empty: no such target)")
+    target: float = _field(0.0, "target_metric's target value, reached when the metric is at least it (higher "
+                                "is better) or at most it (lower is better; see target_mode)")
+    target_mode: str = _field("auto", "auto (the metric's known direction: accuracy and r2 higher, loss, rmse and "
+                                      "names ending in loss or error lower) | max (higher is better) | min")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,12 +642,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p, "optimizer.name", f"one of ['sgd', 'adam', 'adagrad'], got {cfg.optimizer.name!r}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(p, "optimizer.lr", "a number > 0")
-    if cfg.data.kind not in ("digits", "click", "synthetic", "svmlight", "npz") and ":" not in cfg.data.kind:
-        raise ConfigError(p, "data.kind", f"one of ['digits', 'click', 'synthetic', 'svmlight', 'npz'] or an import path "
+    if cfg.data.kind not in DATA_KINDS and ":" not in cfg.data.kind:
+        raise ConfigError(p, "data.kind", f"one of {list(DATA_KINDS)} or an import path "
                                           f"to a loader ('package.module:function' or 'path/to/file.py:function'), "
                                           f"got {cfg.data.kind!r}")
     if cfg.data.kind in ("svmlight", "npz") and not cfg.data.path:
         raise ConfigError(p, "data.path", f"a file path for data.kind = {cfg.data.kind!r}")
+    _validate_task(cfg)
     if cfg.sweep.members:
         if not all(isinstance(m, dict) for m in cfg.sweep.members):
             raise ConfigError(p, "sweep.members", "an array of tables, one per member")
@@ -645,6 +672,36 @@ def validate(cfg: Config) -> None:
     if t.policy == BatchPolicyKind.STATIC and t.policy_args:
         raise ConfigError(p, "train.policy_args", "no knobs for train.policy = \"static\" (it keeps each "
                                                   f"worker's configured batch), got {t.policy_args!r}")
+
+
+def _validate_task(cfg: Config) -> None:
+    """[train] task and targets, [data] targets: names and forms (hmp.train.task.check_config imports what they
+    name and checks them against the rest of the job)."""
+    p, t = cfg.path, cfg.train
+    if t.task not in TASK_NAMES and ":" not in t.task:
+        raise ConfigError(p, "train.task", f"one of {list(TASK_NAMES)} or an import path to a function of your own "
+                                           f"('package.module:function' or 'path/to/file.py:function', relative to "
+                                           f"the config file; docs/task.md), got {t.task!r}")
+    if t.task_kind not in ("loss", "step"):
+        raise ConfigError(p, "train.task_kind", f"one of ['loss', 'step'], got {t.task_kind!r}")
+    if t.task_kind == "step" and t.task in TASK_NAMES:
+        raise ConfigError(p, "train.task_kind", f"\"loss\" for the built-in task {t.task!r} (\"step\" is for a "
+                                                "step function of your own named by train.task)")
+    if t.target_mode not in ("auto", "max", "min"):
+        raise ConfigError(p, "train.target_mode", f"one of ['auto', 'max', 'min'], got {t.target_mode!r}")
+    if t.target_accuracy and t.task == "regression":
+        raise ConfigError(p, "train.target_accuracy", "0 for train.task = \"regression\" (it has no accuracy); "
+                                                      "e.g. target_metric = \"r2\" with target = 0.5")
+    if cfg.data.targets not in ("", "classes", "values"):
+        raise ConfigError(p, "data.targets", f"one of ['classes', 'values'] or empty (by the task), got "
+                                             f"{cfg.data.targets!r}")
+    float_targets = cfg.data.kind == "diabetes" or cfg.data.targets == "values"
+    if float_targets and t.task == "classification":
+        what = "[data] kind = \"diabetes\" has" if cfg.data.kind == "diabetes" else "data.targets = \"values\" loads"
+        raise ConfigError(p, "train.task", f"\"regression\" (or a task of your own) for float targets: {what} "
+                                           "float targets, classification needs class labels")
+    if cfg.data.targets == "classes" and t.task == "regression":
+        raise ConfigError(p, "data.targets", "\"values\" (or empty) for train.task = \"regression\"")
 
 
 def _validate_ranges(cfg: Config) -> None:
@@ -675,7 +732,7 @@ def _validate_ranges(cfg: Config) -> None:
     d = cfg.data
     # digits and click are always split, svmlight without a test file too; npz may carry its own
     # test arrays (then the fraction is unused), so there only the range is checked.
-    always_split = d.kind in ("digits", "click") or (d.kind == "svmlight" and not d.test_path)
+    always_split = d.kind in ("digits", "diabetes", "click") or (d.kind == "svmlight" and not d.test_path)
     if not 0.0 <= d.test_fraction < 1.0 or (always_split and d.test_fraction == 0.0):
         allowed = "(0, 1)" if always_split else "[0, 1) (0: the data file must hold its own test split)"
         raise ConfigError(p, "data.test_fraction", f"a number in {allowed}, got {d.test_fraction!r}")

@@ -1,6 +1,6 @@
 """The :class:`Dataset` every loader returns: features ``x`` float32 ``[N, F]`` (or ``[N, ...]``, e.g. images), int64
-bucket ids ``[N, fields]`` or :class:`~hmp.data.csr.CSRRows`, labels ``y`` int64 ``[N]`` in ``0..num_classes-1``;
-and what the loaders share: the seeded stratified split, the rows a partial load keeps, argument checks."""
+bucket ids ``[N, fields]`` or :class:`~hmp.data.csr.CSRRows`, labels ``y`` int64 ``[N]`` in ``0..num_classes-1`` (or
+float32 targets ``[N]`` / ``[N, k]`` for regression, ``num_classes`` 0); and what the loaders share: the seeded stratified split, the rows a partial load keeps, argument checks."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A train/test split. ``label_values[c]`` is the original label of class ``c`` (when remapped).
+    """A train/test split. ``label_values[c]`` is the original label of class ``c`` (when remapped). ``y``:
+    int64 class labels ``[N]``, or float32 target values ``[N]`` or ``[N, k]`` (regression; ``num_classes`` 0).
 
     ``x`` has one row per example and any shape per example (``[N, F]`` features, ``[N, C, H, W]``
     images, ...); train and test agree on it. Sparse data (``[data] sparse``) holds :class:`CSRRows`
@@ -45,22 +46,33 @@ class Dataset:
             raise ValueError(f"dataset {self.name!r}: x_train is {type(self.x_train).__name__} but x_test is "
                              f"{type(self.x_test).__name__}; expected both CSRRows (sparse) or both tensors")
         for xs, ys, part in ((self.x_train, self.y_train, "train"), (self.x_test, self.y_test, "test")):
+            if not _targets_ok(ys):
+                raise ValueError(f"dataset {self.name!r} {part}: expected y int64 class labels [N] or float32 target "
+                                 f"values [N] or [N, k], got {ys.dtype}{list(ys.shape)}")
             if isinstance(xs, CSRRows):
-                if ys.dim() != 1 or len(xs) != ys.shape[0] or ys.dtype != torch.int64:
-                    raise ValueError(f"dataset {self.name!r} {part}: expected int64 y [N] for {len(xs)} CSR rows, got "
-                                     f"{ys.dtype}{list(ys.shape)}")
+                if len(xs) != ys.shape[0]:
+                    raise ValueError(f"dataset {self.name!r} {part}: expected a target per row for {len(xs)} CSR rows, "
+                                     f"got {ys.dtype}{list(ys.shape)}")
                 if xs.dtype != torch.float32:
                     raise ValueError(f"dataset {self.name!r} {part}: expected float32 CSR values, got {xs.dtype}")
                 continue
-            if xs.dim() < 2 or ys.dim() != 1 or xs.shape[0] != ys.shape[0]:
+            if xs.dim() < 2 or xs.shape[0] != ys.shape[0]:
                 raise ValueError(
                     f"dataset {self.name!r} {part}: expected x [N, F] (or [N, ...]) and y [N], got {list(xs.shape)} "
                     f"and {list(ys.shape)}")
-            if xs.dtype not in (torch.float32, torch.int64) or ys.dtype != torch.int64:
-                raise ValueError(f"dataset {self.name!r} {part}: expected x float32/int64 and y int64, got {xs.dtype}, {ys.dtype}")
+            if xs.dtype not in (torch.float32, torch.int64):
+                raise ValueError(f"dataset {self.name!r} {part}: expected x float32/int64, got {xs.dtype}")
+        if self.y_train.dtype != self.y_test.dtype or self.y_train.shape[1:] != self.y_test.shape[1:]:
+            raise ValueError(f"dataset {self.name!r}: train targets are {self.y_train.dtype}{list(self.y_train.shape[1:])}"
+                             f" per row, test targets {self.y_test.dtype}{list(self.y_test.shape[1:])}")
         if self.x_train.shape[1:] != self.x_test.shape[1:]:
             raise ValueError(f"dataset {self.name!r}: train rows are {list(self.x_train.shape[1:])}, test rows "
                              f"{list(self.x_test.shape[1:])}")
+
+    @property
+    def regression(self) -> bool:
+        """Whether ``y`` holds float target values (not class labels)."""
+        return self.y_train.is_floating_point()
 
     @property
     def num_features(self) -> int:
@@ -81,6 +93,11 @@ class Dataset:
     def sparse(self) -> bool:
         """Whether ``x`` is sparse rows (:class:`CSRRows`; a batch ``x[idx]`` is then a :class:`CSRBatch`)."""
         return isinstance(self.x_train, CSRRows)
+
+
+def _targets_ok(y: Tensor) -> bool:
+    """Class labels int64 ``[N]``, or target values float32 ``[N]`` / ``[N, k]``."""
+    return (y.dtype == torch.int64 and y.dim() == 1) or (y.dtype == torch.float32 and y.dim() in (1, 2))
 
 
 class DataWarning(UserWarning):
@@ -106,8 +123,9 @@ def _dataset(name: str, num_classes: int, xtr, xte, ytr, yte, label_values: tupl
         a = np.ascontiguousarray(a)
         return torch.from_numpy(a.astype(np.int64 if np.issubdtype(a.dtype, np.integer) else np.float32, copy=False))
 
-    def yt(a: np.ndarray) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a).astype(np.int64, copy=False))
+    def yt(a: np.ndarray) -> Tensor:  # float targets (regression) stay float
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a.astype(np.float32 if np.issubdtype(a.dtype, np.floating) else np.int64, copy=False))
 
     return Dataset(xt(xtr), yt(ytr), xt(xte), yt(yte), name, int(num_classes), tuple(label_values))
 

@@ -41,8 +41,31 @@ def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     return _dataset("digits", 10, xtr, xte, ytr, yte)
 
 
-def _digits_cache(test_fraction: float, seed: int) -> Path | None:
-    """Where the digits split is cached: importing scikit-learn's datasets and splitter costs every
+def load_diabetes_dataset(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's bundled diabetes (regression): x float32 ``[N, 10]`` (scikit-learn's scaled features),
+    y float32 ``[N]``, a disease progression measure one year on (25 to 346), in its own units.
+
+    Seeded split, not stratified: 353 train / 89 test rows at the default fraction. Cached as digits is.
+    """
+    cached = _digits_cache(test_fraction, seed, name="diabetes")
+    if cached is not None:
+        try:
+            with np.load(cached) as z:
+                return _dataset("diabetes", 0, z["xtr"], z["xte"], z["ytr"], z["yte"])
+        except (OSError, ValueError, KeyError):
+            pass  # missing or torn: build it again
+    from sklearn.datasets import load_diabetes
+
+    d = load_diabetes()
+    xtr, xte, ytr, yte = _split(d.data.astype(np.float32), d.target.astype(np.float32), test_fraction, seed,
+                                stratify=False)
+    if cached is not None:
+        _write_cache(cached, xtr=xtr, xte=xte, ytr=ytr, yte=yte)
+    return _dataset("diabetes", 0, xtr, xte, ytr, yte)
+
+
+def _digits_cache(test_fraction: float, seed: int, name: str = "digits") -> Path | None:
+    """Where the digits (or another bundled set's, ``name``) split is cached: importing scikit-learn's datasets and splitter costs every
     daemon ~1.5 s of CPU at start, the cached arrays a millisecond. Keyed by scikit-learn's version
     and the split's arguments, so a different split is never read back. ``HMP_CACHE_DIR`` moves it
     (default ``$XDG_CACHE_HOME/hmp`` or ``~/.cache/hmp``); ``HMP_CACHE_DIR=off`` turns it off."""
@@ -56,7 +79,7 @@ def _digits_cache(test_fraction: float, seed: int) -> Path | None:
         version = importlib.metadata.version("scikit-learn")
     except importlib.metadata.PackageNotFoundError:
         return None
-    return Path(root) / f"digits-sklearn{version}-test{test_fraction!r}-seed{seed}.npz"
+    return Path(root) / f"{name}-sklearn{version}-test{test_fraction!r}-seed{seed}.npz"
 
 
 def _write_cache(path: Path, **arrays: np.ndarray) -> None:
@@ -161,6 +184,18 @@ def _read_svmlight(paths: list[str | Path], n_features: int | None) -> list:
                 int(np.flatnonzero(~np.isfinite(y))[0])
             raise ValueError(_svmlight_fault(p, row))
     return out
+
+
+TARGETS = ("classes", "values")
+
+
+def _labels(path: str | Path, targets: str, *ys: np.ndarray) -> tuple[list[np.ndarray], tuple[float, ...]]:
+    """``targets = "classes"``: :func:`_label_classes`; ``"values"``: the labels as float32 target values."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
+    if targets == "classes":
+        return _label_classes(path, *ys)
+    return [np.asarray(a, dtype=np.float32) for a in ys], ()
 
 
 def _label_classes(path: str | Path, *ys: np.ndarray) -> tuple[list[np.ndarray], tuple[float, ...]]:
@@ -281,7 +316,8 @@ def _svmlight_piece_fault(path: str | Path, index: _SvmlightIndex, part: np.ndar
 
 
 def _load_svmlight_part(path: str | Path, n_features: int | None, test_path: str | Path | None,
-                        test_fraction: float, seed: int, part: str, share: tuple[int, int] | None):
+                        test_fraction: float, seed: int, part: str, share: tuple[int, int] | None,
+                        targets: str = "classes"):
     """A part of an svmlight dataset, parsing only its lines (see :func:`load_svmlight`): ``(x_train, y_train,
     x_test, y_test, label_values, offset, n_train)`` with scipy CSR features, or None when the quick index pass
     cannot be trusted with the files (the caller parses them whole)."""
@@ -295,11 +331,11 @@ def _load_svmlight_part(path: str | Path, n_features: int | None, test_path: str
     if n_features is not None and n_features < inferred:
         return None  # the whole parse names the conflict
     if test_index is not None:
-        (ytr, yte), values = _label_classes(path, index.labels, test_index.labels)
+        (ytr, yte), values = _labels(path, targets, index.labels, test_index.labels)
         tr, te = np.arange(len(ytr)), np.arange(len(yte))
     else:
-        (ytr,), values = _label_classes(path, index.labels)
-        tr, te, _, _ = _split(np.arange(len(ytr)), ytr, test_fraction, seed)
+        (ytr,), values = _labels(path, targets, index.labels)
+        tr, te, _, _ = _split(np.arange(len(ytr)), ytr, test_fraction, seed, stratify=targets == "classes")
         yte = ytr
     keep_tr, keep_te, offset = _rows_of(tr, te, part, share)
     features = n_features if n_features is not None else inferred
@@ -319,12 +355,14 @@ def load_svmlight(
     seed: int = 0,
     part: str = "all",
     share: tuple[int, int] | None = None,
+    targets: str = "classes",
 ) -> Dataset:
     """A LIBSVM/svmlight text file as a float32 dataset: dense ``[N, n_features]``, or with ``sparse``
     :class:`CSRRows` (never densified: a batch is a :class:`CSRBatch`).
 
     Labels are mapped to ``0..C-1`` in sorted order (``-1/+1 -> 0/1``, ``1..C -> 0..C-1``);
-    ``Dataset.label_values`` records the original label of each class. Indices are read as
+    ``Dataset.label_values`` records the original label of each class. ``targets = "values"``: the labels
+    are float32 target values as they are (regression; the split is then not stratified). Indices are read as
     one-based unless the file contains index 0. With ``test_path`` the test set is read
     from that file (same feature count and label mapping); otherwise ``test_fraction`` of
     the rows is split off, seeded (the same split, rows and order, dense or sparse). ``share`` or
@@ -337,7 +375,7 @@ def load_svmlight(
     number.
     """
     if share is not None or part == "test":
-        got = _load_svmlight_part(path, n_features, test_path, test_fraction, seed, part, share)
+        got = _load_svmlight_part(path, n_features, test_path, test_fraction, seed, part, share, targets)
         if got is not None:
             x_tr, y_tr, x_te, y_te, values, offset, n_train = got
             if sparse:
@@ -348,13 +386,14 @@ def load_svmlight(
             return dataclasses.replace(out, train_offset=offset, train_total=n_train)
     if test_path is not None:
         x, y, xt, yt = _read_svmlight([path, test_path], n_features)
-        (ytr, yte), values = _label_classes(path, y, yt)
+        (ytr, yte), values = _labels(path, targets, y, yt)
         tr, te = np.arange(len(ytr)), np.arange(len(yte))
     else:
         x, y = _read_svmlight([path], n_features)
-        (ym,), values = _label_classes(path, y)
+        (ym,), values = _labels(path, targets, y)
         del y
-        tr, te, _, _ = _split(np.arange(len(ym)), ym, test_fraction, seed)  # the rows only: no copy of x yet
+        # the rows only: no copy of x yet
+        tr, te, _, _ = _split(np.arange(len(ym)), ym, test_fraction, seed, stratify=targets == "classes")
         xt, ytr, yte = x, ym, ym
     keep_tr, keep_te, offset = _rows_of(tr, te, part, share)
     if sparse:
@@ -460,8 +499,9 @@ def _rows_view(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0, part: str = "all",
-             share: tuple[int, int] | None = None) -> Dataset:
-    """A ``.npz`` with ``x [N, ...]`` (float -> float32, integer -> int64 ids) and int labels ``y [N]``.
+             share: tuple[int, int] | None = None, targets: str = "classes") -> Dataset:
+    """A ``.npz`` with ``x [N, ...]`` (float -> float32, integer -> int64 ids) and int labels ``y [N]``
+    (``targets = "values"``: float32 target values ``y [N]`` or ``[N, k]``, for regression; not stratified).
 
     ``x`` may have any shape per row: ``[N, F]`` features, ``[N, C, H, W]`` images (reaching a CNN as
     they are). Optional ``x_test``/``y_test`` (both or neither) give the test set; otherwise
@@ -479,8 +519,18 @@ def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0, par
     if has_test[0] != has_test[1]:
         missing = "y_test" if has_test[0] else "x_test"
         raise ValueError(f"{path}: missing array {missing!r}; 'x_test' and 'y_test' come together")
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     for key in ("y", "y_test"):
-        if key in arrays:
+        if key in arrays and targets == "values":
+            a = arrays[key] = np.asarray(arrays[key])
+            if a.ndim not in (1, 2) or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+                raise ValueError(f"{path}: array {key!r} must be float target values [N] or [N, k], got "
+                                 f"{a.dtype}{list(a.shape)}")
+            bad = _nonfinite_row(a.reshape(len(a), -1))
+            if bad is not None:
+                raise ValueError(f"{path}: array {key!r} row {bad} holds NaN or infinity; expected finite targets")
+        elif key in arrays:
             a = arrays[key] = np.asarray(arrays[key])
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer) or (a.size and a.min() < 0):
                 raise ValueError(f"{path}: array {key!r} must be 1-D non-negative integer labels, got {a.dtype}{list(a.shape)}")
@@ -501,14 +551,18 @@ def load_npz(path: str | Path, *, test_fraction: float = 0.2, seed: int = 0, par
     if has_test[0] and arrays["x"].shape[1:] != arrays["x_test"].shape[1:]:
         raise ValueError(f"{path}: rows of 'x' are {list(arrays['x'].shape[1:])} but rows of 'x_test' "
                          f"{list(arrays['x_test'].shape[1:])}")
-    y_all = arrays["y"].astype(np.int64)
+    ytype = np.int64 if targets == "classes" else np.float32
+    y_all = arrays["y"].astype(ytype)
     if has_test[0]:
-        tr, te, y_test_all = np.arange(len(y_all)), np.arange(len(arrays["y_test"])), arrays["y_test"].astype(np.int64)
+        tr, te, y_test_all = np.arange(len(y_all)), np.arange(len(arrays["y_test"])), arrays["y_test"].astype(ytype)
+        if y_all.shape[1:] != y_test_all.shape[1:]:
+            raise ValueError(f"{path}: 'y' has {list(y_all.shape[1:])} values per row but 'y_test' "
+                             f"{list(y_test_all.shape[1:])}")
     else:  # the split's row numbers only: the same split as of the arrays themselves, no feature read yet
-        tr, te, _, _ = _split(np.arange(len(y_all)), y_all, test_fraction, seed)
+        tr, te, _, _ = _split(np.arange(len(y_all)), y_all, test_fraction, seed, stratify=targets == "classes")
         y_test_all = y_all
-    top = max(int(y_all.max(initial=-1)), int(y_test_all.max(initial=-1))) + 1
-    num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else top
+    top = max(int(y_all.max(initial=-1)), int(y_test_all.max(initial=-1))) + 1 if targets == "classes" else 0
+    num_classes = int(arrays["num_classes"]) if "num_classes" in arrays and targets == "classes" else top
     if num_classes < top:
         raise ValueError(f"{path}: num_classes={num_classes} but labels go up to {top - 1}")
     train_rows, test_rows, offset = _rows_of(tr, te, part, share)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .dataset import Dataset, _rows_of
-from .loaders import load_digits_dataset, load_npz, load_svmlight
+from .loaders import load_diabetes_dataset, load_digits_dataset, load_npz, load_svmlight
 from .synthetic import generate_click_data, generate_dense_classification, generate_sparse_classification
 
 
@@ -26,7 +26,7 @@ class NotADataset(TypeError):
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Which dataset to load. ``kind``: digits | click | sparse | synthetic | svmlight | npz (or any
+    """Which dataset to load. ``kind``: digits | diabetes | click | sparse | synthetic | svmlight | npz (or any
     name when :func:`load_dataset` is given the loader itself, e.g. one from an import path).
 
     ``path`` is required for the file kinds; ``options`` are the loader's other keyword
@@ -52,6 +52,7 @@ class DatasetSpec:
 
 LOADERS = {
     "digits": load_digits_dataset,
+    "diabetes": load_diabetes_dataset,
     "click": generate_click_data,
     "sparse": generate_sparse_classification,
     "synthetic": generate_dense_classification,

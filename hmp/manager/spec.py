@@ -192,9 +192,11 @@ def profile_compute_s(spec: JobSpec, steps: int = 5) -> float:
     import time
 
     import torch
-    from torch.nn import functional as F
+
+    from hmp.train.task import task_of
 
     data = job_mod.dataset(spec.cfg)
+    task = task_of(spec.cfg)
     torch.set_num_threads(1)  # as each worker daemon computes: one thread (this process trains nothing else)
     torch.manual_seed(0)
     from hmp import models
@@ -206,7 +208,7 @@ def profile_compute_s(spec: JobSpec, steps: int = 5) -> float:
     for i in range(steps + 1):
         t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        task.loss(model, x, y).backward()
         opt.step()
         if i:
             times.append(time.perf_counter() - t0)

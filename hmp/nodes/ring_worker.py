@@ -17,7 +17,6 @@ import zlib
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from hmp import job
 from hmp.collective import BufferMean, GradientBuckets, Ring, RingBroken, RingError, RingHost
@@ -33,8 +32,8 @@ from hmp.export import write_model
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
 from hmp.ps.lr_schedule import lr_at
 from hmp.ps.sharding import ShardedModel
-from hmp.train.evaluate import evaluate
 from hmp.train.stop_rule import target_reason
+from hmp.train.task import evaluation_of, task_of
 from hmp.transport.shm import ShmSettings, open_process_arena
 
 #: Seconds a member told to stop (SIGTERM, the scheduler's shutdown) lets the step in flight finish,
@@ -234,6 +233,7 @@ class RingWorkerNode(WorkerBase):
         self.log.info("training_allreduce", samples=len(y), batch_size=self.batch_size, buckets=len(buckets),
                       members=len(self.ring.addresses) if self.ring else 0, device=str(self.device))
         loss_avg = None
+        task = task_of(self.cfg)
         ring_op = 0  # op numbers restart with each ring generation
         if self.ring is not None and self.ring.generation > 1:
             # Welcomed into a ring formed after the job began (this worker restarted, or came back):
@@ -277,7 +277,7 @@ class RingWorkerNode(WorkerBase):
                         buckets.flush()
                         return float("nan"), time.perf_counter() - t0
                     # Each member's loss is its share of the global batch's mean, so the sum is the mean's gradient.
-                    loss = F.cross_entropy(model(x[idx]), y[idx])
+                    loss = task.loss(model, x[idx], y[idx])
                     (loss * (len(idx) / global_batch)).backward()
                     buckets.flush()  # parameters that took no part in this pass
                     lv = loss.item()
@@ -337,14 +337,14 @@ class RingWorkerNode(WorkerBase):
             self.metrics["buffers_crc32"] = float(params_crc32(flat.buffers))
         if self.ring is not None and self.ring.rank == 0:
             test = await self.test_set(data)
-            self.metrics.update(await self.in_thread(evaluate, model, test.x_test, test.y_test))
+            self.metrics.update(await self.in_thread(task.evaluate, model, test.x_test, test.y_test))
             await self.export_model(model)
 
     async def export_model(self, model: torch.nn.Module) -> None:
         """Rank 0 writes the job's ``model.pt`` from the replica it has just evaluated (every member's is the
         same); its final report says whether it did (``model_exported``). A failed write (a full disk) is
         logged and reported, not a failure of the job."""
-        metrics = {k: self.metrics[k] for k in ("test_accuracy", "test_loss") if k in self.metrics}
+        metrics = evaluation_of(self.metrics)
         detail = {"step": self.step, "ring_generation": self.ring.generation if self.ring else 0}
         try:
             stats = self.test_data.stats if self.test_data is not None else None  # [data] standardize's
@@ -362,7 +362,7 @@ class RingWorkerNode(WorkerBase):
             self.next_eval = now  # rank 0 of a re-formed ring (its old rank 0 was lost) evaluates from now on
         if self.ring is not None and self.ring.rank == 0 and now >= self.next_eval:
             test = await self.test_set(data)
-            self.metrics.update(await self.in_thread(evaluate, model, test.x_test, test.y_test))
+            self.metrics.update(await self.in_thread(task_of(self.cfg).evaluate, model, test.x_test, test.y_test))
             self.next_eval = now + self.cfg.train.eval_every_s
             if target_reason(self.metrics, self.cfg.train):
                 # Stop with these parameters: this vote goes into the next step's control all-reduce and every

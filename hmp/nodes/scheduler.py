@@ -29,6 +29,7 @@ from hmp.report import draw as draw_report
 from hmp.scheduler.core import (Admitted, Held, JobFailed, MemberChanged, Refused, ReplicasChanged, RingFormed,
                                 SchedulerCore, ShardsChanged, ShardsReady, StopDecided, TargetReported, WorkerDropped, WorkersDone)
 from hmp.scheduler.membership import CONNECTED, LOST_AFTER, TICK, MemberState
+from hmp.train.task import evaluation_of
 from hmp.transport.endpoint import Client
 
 
@@ -477,7 +478,7 @@ class SchedulerNode(Node):
             return {"model": None, "model_error": why}
         client = self.evaluated
         try:
-            metrics = {k: final[k] for k in ("test_accuracy", "test_loss") if k in final}
+            metrics = evaluation_of(final)
             path = await self.in_thread(lambda: write_model(
                 self.cfg.report_dir, self.cfg, client.model, parameters=final["parameters"], metrics=metrics,
                 detail={"shard_versions": dict(client.shard_versions)}, stats=self.dataset.stats))

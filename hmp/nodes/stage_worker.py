@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hmp.client import PSClient
-from hmp.train.evaluate import evaluate
+from hmp.train.task import task_of
 from hmp.config import Config
 from hmp.errors import HmpError
 from hmp import job
@@ -322,7 +322,9 @@ class StageWorkerNode(ShardFollower, Node):
             self.ps.restrict(())
             self.log.info("standby", plan=a.plan)
             return
-        self.compute = StageCompute(self.sharded.model, a.start, a.stop)
+        loss_fn = task_of(self.cfg).loss_fn  # a whole-model step is refused at load (hmp.train.task.check_config)
+        assert loss_fn is not None
+        self.compute = StageCompute(self.sharded.model, a.start, a.stop, loss_fn)
         owner = param_layers(self.sharded.model)
         self.stage_params = tuple(n for n, i in owner.items() if a.start <= i < a.stop)
         self.ps.restrict(stage_chunk_keys(self.sharded.layout, a.start, a.stop, owner))
@@ -567,7 +569,7 @@ class StageWorkerNode(ShardFollower, Node):
             await self.send_report()
 
     async def evaluate(self) -> dict[str, float]:
-        """Test accuracy of the whole model as the shards hold it now (a separate replica)."""
+        """The task's test metrics of the whole model as the shards hold it now (a separate replica)."""
         if self.eval_ps is None:
             shards = self.ps.shard_addresses
             model = await asyncio.to_thread(job.sharded_model, self.cfg)
@@ -575,7 +577,7 @@ class StageWorkerNode(ShardFollower, Node):
                                     timeout_s=self.cfg.limits.request_timeout_s)
             await self.eval_ps.connect()
         await self.with_shards(self.eval_ps.pull, "pull", self.eval_ps)
-        return await asyncio.to_thread(evaluate, self.eval_ps.model, self.data.x_test, self.data.y_test)
+        return await asyncio.to_thread(task_of(self.cfg).evaluate, self.eval_ps.model, self.data.x_test, self.data.y_test)
 
     async def send_report(self, done: bool = False) -> None:
         assert self.scheduler is not None

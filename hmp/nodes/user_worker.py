@@ -36,6 +36,7 @@ from hmp.nodes.ring_worker import RingWorkerNode, params_crc32
 from hmp.nodes.worker import WorkerNode
 from hmp.ps.optim import chunk_optimizer_of, make_chunk_optimizer
 from hmp.train.evaluate import evaluate
+from hmp.train.task import task_of
 from hmp.train.stop_rule import target_reason
 
 #: What a user call answers when the worker has stopped (the job is over, or the user closed it).
@@ -505,7 +506,7 @@ class UserRingWorkerNode(UserLoop, RingWorkerNode):
 
     async def evaluate_now(self) -> dict[str, float]:
         test = await self.test_set(await self.train_data())
-        out = await self.in_thread(evaluate, self.sharded.model, test.x_test, test.y_test)
+        out = await self.in_thread(evaluate, self.sharded.model, test.x_test, test.y_test, task=task_of(self.cfg))
         self.metrics.update(out)
         self.next_eval = time.monotonic() + self.cfg.train.eval_every_s
         return out

@@ -15,10 +15,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from hmp.client import PSClient
-from hmp.train.evaluate import evaluate, evaluate_sweep
+from hmp.train.evaluate import evaluate_sweep
 from hmp.train.hogwild import GradientAccumulator, HogwildTrainer
 from hmp.config import BatchPolicyKind, Config
 from hmp.data import ShuffledBatches, take_rows, whole_batch
@@ -29,6 +28,7 @@ from hmp.messages import Kind, Work
 from hmp.nodes.shard_follower import ShardFollower
 from hmp.nodes.worker_base import WorkerBase
 from hmp.ps.lr_schedule import lr_at
+from hmp.train.task import task_of
 
 
 async def _with_next(batches: AsyncIterator[torch.Tensor], ahead: bool) -> AsyncIterator[tuple[torch.Tensor, Any]]:
@@ -241,6 +241,7 @@ class WorkerNode(ShardFollower, WorkerBase):
         self.log.info("training", samples=len(y), batch_size=self.batch_size, device=str(self.device),
                       data="first-come-first-served" if self.first_come_first_served else "static slice")
         loss_avg = None
+        task = task_of(self.cfg)
         array, flat = ps.sharded.array, ps.sharded.flat
         # Sweep: the values before the step, to push the step's delta (a copy by necessity).
         before = {d: torch.empty_like(t) for d, t in flat.params.items()} if array is not None else {}
@@ -260,7 +261,7 @@ class WorkerNode(ShardFollower, WorkerBase):
             want = next_batch = None
             if array is None:
                 flat.zero_grad()  # keeps .grad as views of the flat buffer (one op per dtype)
-                loss = F.cross_entropy(model(x[idx] if batch is None else batch), y[idx])
+                loss = task.loss(model, x[idx] if batch is None else batch, y[idx])
                 loss.backward()
                 lv = loss.item()  # waits for the device: the push reads finished gradients
                 if rows_of is not None and next_idx is not None:
@@ -304,7 +305,7 @@ class WorkerNode(ShardFollower, WorkerBase):
     def evaluate(self, ps: PSClient, data: Any) -> dict[str, float]:
         if ps.sharded.array is not None:
             return evaluate_sweep(ps.sharded.array, data.x_test, data.y_test)
-        return evaluate(ps.model, data.x_test, data.y_test)
+        return task_of(self.cfg).evaluate(ps.model, data.x_test, data.y_test)
 
     async def train_hogwild(self, ps: PSClient, data: Any, index: int, count: int) -> None:
         """CPU Hogbatch: ``hogwild_threads`` threads update the local replica without locks
@@ -326,7 +327,7 @@ class WorkerNode(ShardFollower, WorkerBase):
             # turns several Hogwild steps into one much larger step.
             self.log.warning("hogwild_with_momentum", optimizer=o.name, momentum=o.momentum,
                              advice="Hogbatch as in the paper uses plain SGD (momentum = 0)")
-        trainer = HogwildTrainer(ps.model, self.node.hogwild_threads, lr, self.batch_size, F.cross_entropy)
+        trainer = HogwildTrainer(ps.model, self.node.hogwild_threads, lr, self.batch_size, step=task_of(self.cfg).loss)
         acc = GradientAccumulator.for_model(ps.model)
         self.start_clock(index)
         self.log.info("training_hogwild", threads=self.node.hogwild_threads, batch_size=self.batch_size)

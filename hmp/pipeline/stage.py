@@ -1,5 +1,6 @@
 """What one pipeline stage computes, without I/O: forward keeps each micro-batch's graph until
-its backward; the last stage computes the loss and starts the backward at once.
+its backward; the last stage computes the loss (the job's task's loss function, cross-entropy by
+default) and starts the backward at once.
 
 Used by the stage worker daemon and, all stages chained in one process, by the tests that check a
 split model gives the whole model's outputs and gradients.

@@ -68,7 +68,8 @@ epoch to start from, ``start_epoch``), and the report appended to, its times run
 previous part's (``time_offset``). ``max_seconds`` counts this part's time.
 
 Stop rules, judged on each progress report: ``[train] target_accuracy`` (the best reported test
-accuracy), ``target_loss`` (the best reported test loss), ``max_seconds`` (since the first worker
+accuracy), ``target_loss`` (the best reported test loss), ``target`` of ``target_metric`` (its best
+reported value, in the metric's direction: docs/task.md), ``max_seconds`` (since the first worker
 was admitted). Once a stop reason is set every reply tells the workers to stop. With
 ``confirm_targets`` (PS jobs; :mod:`hmp.train.stop_rule`) a target reached on a worker's replica is
 only a candidate: :class:`TargetReported` asks the shell to evaluate the parameters it pulls from
@@ -90,6 +91,7 @@ from hmp.messages import ReplicaInfo, RingInfo, WelcomeInfo
 from hmp.ps.sharding import initial_replicas, next_backup
 from hmp.report import RunReport
 from hmp.train.stop_rule import TargetConfirmation, target_reason
+from hmp.train.task import better, evaluation_of, primary_metric
 from hmp.scheduler.membership import (CONNECTED, LOST_AFTER, NOT_JOINED, SUSPECT_AFTER, UP, Change, Member,
                                       MemberState, Membership)
 
@@ -274,6 +276,10 @@ class SchedulerCore:
         self.run_report.sharding = dict(sharding or {})
         self.best_accuracy = 0.0
         self.best_test_loss = float("inf")
+        # The task's metric the progress line and the report follow (test_accuracy, r2, [train] target_metric, ...)
+        # and the best value of it reported, in its own direction (None: none yet).
+        self.metric = primary_metric(cfg)
+        self.best_metric: float | None = None
         self.confirm_targets = confirm_targets
         self.confirmation = TargetConfirmation(retry_after_s=cfg.train.eval_every_s)
         self.t0: float | None = None  # the first worker's admission: the run's clock starts
@@ -332,7 +338,7 @@ class SchedulerCore:
                 "work_pending": [list(r) for r in pending], "work_taken": dict(self.work_taken),
                 "best_accuracy": self.best_accuracy,
                 "best_test_loss": None if self.best_test_loss == float("inf") else self.best_test_loss,
-                "progress": progress, "report": self.run_report.state()}
+                "best_metric": self.best_metric, "progress": progress, "report": self.run_report.state()}
 
     def resume(self, state: dict[str, Any], source: str) -> None:
         """Continue from :meth:`state_dict`'s ``state`` (read from ``source``, named in the report). Raises
@@ -347,6 +353,8 @@ class SchedulerCore:
         self.best_accuracy = float(state.get("best_accuracy") or 0.0)
         loss = state.get("best_test_loss")
         self.best_test_loss = float("inf") if loss is None else float(loss)
+        best = state.get("best_metric")
+        self.best_metric = None if best is None else float(best)
         self.time_offset = float(state["elapsed_s"])
         self.resumed_progress = {str(w): dict(p) for w, p in state.get("progress", {}).items()}
         sharding = self.run_report.sharding
@@ -377,7 +385,8 @@ class SchedulerCore:
                 "shards_down": sorted(self.shards_down),
                 **({"replicas": {g: list(pb) for g, pb in self.replica_map.items()}} if self.replica_map else {}),
                 "best_accuracy": self.best_accuracy,
-                "best_test_loss": self.best_test_loss if self.best_test_loss != float("inf") else None}
+                "best_test_loss": self.best_test_loss if self.best_test_loss != float("inf") else None,
+                "best_metric": None if self.best_metric is None else {"name": self.metric, "value": self.best_metric}}
 
     # ---------------------------------------------------------------- helpers
     def _move(self, m: Member, new: MemberState, why: str = "") -> None:
@@ -768,6 +777,10 @@ class SchedulerCore:
         test_loss = metrics.get("test_loss")
         if test_loss is not None:
             self.best_test_loss = min(self.best_test_loss, test_loss)
+        value = metrics.get(self.metric)
+        if isinstance(value, (int, float)) and value == value and better(
+                self.metric, value, self.best_metric, self.cfg.train.target_mode):
+            self.best_metric = float(value)
         if done:
             # A worker that ran out of work asked for more first, which marked its range done; one
             # still holding a range was stopped in the middle of it (SIGTERM): it goes back to the queue.
@@ -780,7 +793,8 @@ class SchedulerCore:
             # With confirm_targets, judged on this report's own evaluation (the best so far would be offered
             # again at every report); else on the best reported, as the workers' replicas saw it.
             target = (target_reason(metrics, tc) if self.confirm_targets else
-                      target_reason({"test_accuracy": self.best_accuracy, "test_loss": self.best_test_loss}, tc))
+                      target_reason({"test_accuracy": self.best_accuracy, "test_loss": self.best_test_loss,
+                                     **({self.metric: self.best_metric} if self.best_metric is not None else {})}, tc))
             if target and not self.confirm_targets:
                 self.request_stop(target, now)
             elif target and self.confirmation.offer(now):
@@ -885,24 +899,28 @@ class SchedulerCore:
         pull from: the workers' replicas are identical, and rank 0 evaluates its own at the end)."""
         best: tuple[float, str, dict[str, Any]] | None = None
         for w, d in self.run_report.workers.items():
-            points = [(float("inf"), d["final"])] if "test_accuracy" in d["final"] else []
-            points += [(p["t"], p) for p in d["series"] if "test_accuracy" in p]
+            # every task's evaluation has a test_loss (a sweep's: test_accuracy only)
+            evaluated = ("test_loss", "test_accuracy")
+            points = [(float("inf"), d["final"])] if any(k in d["final"] for k in evaluated) else []
+            points += [(p["t"], p) for p in d["series"] if any(k in p for k in evaluated)]
             for t, p in points:
                 if best is None or t > best[0]:
                     best = (t, w, p)
         if best is None:
             return {"error": "no worker reported a test evaluation"}
         _, w, p = best
-        out = {k: p[k] for k in ("test_accuracy", "test_loss") if k in p}
-        return {**out, "evaluated_by": w}
+        return {**evaluation_of(p), "evaluated_by": w}
 
     def finish_report(self, final: dict[str, Any], now: float) -> RunReport:
         """The run report with its ``final`` section: the final evaluation plus how the run ended.
-        ``best_reported_accuracy`` is what the workers measured on their replicas while training
-        (what the stop rule saw); ``final`` is the PS parameters at the end."""
+        ``best_reported_value`` (of ``best_reported_metric``; classification also ``best_reported_accuracy``)
+        is what the workers measured on their replicas while training (what the stop rule saw); ``final`` is
+        the PS parameters at the end."""
         self.run_report.final = {**final, "elapsed_s": self.run_time(now),
                                  "stop_reason": self.stop_reason or "epochs done",
-                                 "best_reported_accuracy": self.best_accuracy}
+                                 "best_reported_metric": self.metric, "best_reported_value": self.best_metric}
+        if self.cfg.train.task == "classification":  # the classification spelling, which came first
+            self.run_report.final["best_reported_accuracy"] = self.best_accuracy
         if self.confirm_targets:
             self.run_report.final["targets_unconfirmed"] = self.confirmation.rejections
             self.run_report.final["unconfirmed"] = list(self.confirmation.rejected)

@@ -1,4 +1,4 @@
-"""Test accuracy and loss of a model, or of every member of an HFTA sweep."""
+"""A model's test metrics under its task (:mod:`hmp.train.task`), or every member's accuracy in an HFTA sweep."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hmp.data import whole_batch
+from hmp.train.task import CLASSIFICATION, Task
 
 
 def evaluate_sweep(array: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -18,17 +18,9 @@ def evaluate_sweep(array: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, fl
     return out
 
 
-def evaluate(model: torch.nn.Module, x: Any, y: torch.Tensor, batch: int = 4096) -> dict[str, float]:
-    """Test accuracy and mean cross-entropy of ``model`` on ``(x, y)``, ``batch`` rows at a time. ``x``: a
-    feature tensor, or :class:`hmp.data.CSRRows` (each slice reaches the model as a ``CSRBatch``)."""
-    device = next(model.parameters()).device
-    correct, loss, n = 0, 0.0, len(y)
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            out = model(whole_batch(x[i:i + batch]).to(device))
-            yy = y[i:i + batch].to(device)
-            loss += torch.nn.functional.cross_entropy(out, yy, reduction="sum").item()
-            correct += (out.argmax(1) == yy).sum().item()
-    model.train()
-    return {"test_accuracy": correct / max(1, n), "test_loss": loss / max(1, n)}
+def evaluate(model: torch.nn.Module, x: Any, y: torch.Tensor, batch: int = 4096, task: Task | None = None
+             ) -> dict[str, float]:
+    """The test metrics of ``model`` on ``(x, y)`` under ``task`` (default classification: ``test_accuracy`` and
+    the mean cross-entropy ``test_loss``), ``batch`` rows at a time (:meth:`hmp.train.task.Task.evaluate`).
+    ``x``: a feature tensor, or :class:`hmp.data.CSRRows` (each slice reaches the model as a ``CSRBatch``)."""
+    return (task or CLASSIFICATION).evaluate(model, x, y, batch)

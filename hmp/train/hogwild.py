@@ -21,6 +21,8 @@ from hmp.data import ShuffledBatches
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``(model, x, y) -> batch-mean loss``, e.g. :meth:`hmp.train.task.Task.loss`
+StepLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- results
@@ -182,21 +184,27 @@ class HogwildTrainer:
 
     ``threads``: Python threads doing updates; ``lr``: SGD step size; ``batch_size``: examples
     per update per thread (settable between and during runs: threads read it per batch);
-    ``loss_fn(output, target)`` must return the batch-mean loss as a scalar tensor.
+    ``loss_fn(output, target)`` must return the batch-mean loss as a scalar tensor; or, instead of it,
+    ``step(model, x, y)`` the batch-mean loss of a whole step (the job's task, :mod:`hmp.train.task`).
     Batches are moved to the device of the model's first parameter. Each thread's ops use the
     process's intra-op thread count, which this class never changes (it is process-wide and
     racy to change while threads run): a daemon sets it once at start (``[[nodes]] threads``,
     default 1, which lets each Hogwild thread own one core).
     """
 
-    def __init__(self, model: nn.Module, threads: int, lr: float, batch_size: int, loss_fn: LossFn) -> None:
+    def __init__(self, model: nn.Module, threads: int, lr: float, batch_size: int, loss_fn: LossFn | None = None,
+                 *, step: StepLoss | None = None) -> None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-        if not callable(loss_fn):
-            raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+        if (loss_fn is None) == (step is None):
+            raise ValueError("give exactly one of loss_fn (output, target) and step (model, x, y)")
+        fn = loss_fn if step is None else step
+        if not callable(fn):
+            raise ValueError(f"{'loss_fn' if step is None else 'step'} must be callable, got {fn!r}")
         self.model, self.threads, self.lr, self.loss_fn = model, threads, float(lr), loss_fn
+        self._step: StepLoss = step if step is not None else (lambda m, xb, yb: loss_fn(m(xb), yb))
         self.batch_size = batch_size
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
@@ -323,7 +331,7 @@ class HogwildTrainer:
                 xb = X[idx].to(self._device, non_blocking=True)
                 yb = y[idx].to(self._device, non_blocking=True)
                 with torch.enable_grad():
-                    loss = self.loss_fn(self.model(xb), yb)
+                    loss = self._step(self.model, xb, yb)
                     grads = torch.autograd.grad(loss, self._params)
                 with torch.no_grad():
                     for d, g in zip(self._data, grads):

@@ -13,21 +13,33 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from hmp.train.task import metric_direction
+
 
 class _Targets(Protocol):
     """What :func:`target_reason` reads: ``[train]``'s targets (0: none)."""
 
     target_accuracy: float
     target_loss: float
+    target_metric: str
+    target: float
+    target_mode: str
 
 
 def target_reason(metrics: Mapping[str, Any], train: _Targets) -> str:
-    """The stop reason when ``metrics`` (``test_accuracy``, ``test_loss``) meet a target of ``train``, else ""."""
+    """The stop reason when ``metrics`` (``test_accuracy``, ``test_loss``, the task's others) meet a target of
+    ``train`` (``target_accuracy``, ``target_loss``, or ``target`` of ``target_metric`` in its direction), else ""."""
     acc, loss = metrics.get("test_accuracy"), metrics.get("test_loss")
     if train.target_accuracy and isinstance(acc, (int, float)) and acc >= train.target_accuracy:
         return f"target accuracy {train.target_accuracy} reached ({acc:.4f})"
     if train.target_loss and isinstance(loss, (int, float)) and loss <= train.target_loss:
         return f"target test loss {train.target_loss} reached ({loss:.4f})"
+    name = getattr(train, "target_metric", "")  # (an object of the two older targets only has none)
+    value = metrics.get(name) if name else None
+    if isinstance(value, (int, float)) and value == value:
+        lower = metric_direction(name, train.target_mode) == "min"
+        if (value <= train.target) if lower else (value >= train.target):
+            return f"target {name} {'<=' if lower else '>='} {train.target} reached ({value:.4f})"
     return ""
 
 
@@ -60,6 +72,7 @@ class TargetConfirmation:
             self.rejections += 1
             self.next_at = now + self.retry_after_s
             self.rejected.append({"t": round(t, 4), "candidate": candidate,
-                                  **{k: metrics[k] for k in ("test_accuracy", "test_loss", "error") if k in metrics}})
+                                  **{k: metrics[k] for k in ("test_accuracy", "test_loss", getattr(train, "target_metric", ""), "error")
+                                     if k and k in metrics}})
             del self.rejected[:-20]
         return reason

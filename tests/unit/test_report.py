@@ -52,7 +52,8 @@ def test_the_figure_draws_every_report_point_of_a_one_second_job(tmp_path):
         report.add_sample("gpu0", t, {"samples": samples, "updates": updates, "loss": loss,
                                       "samples_per_s": samples / t})
         report.add_sample("cpu0", t + 0.05, {"samples": samples // 10, "updates": updates // 4, "loss": loss + 0.5,
-                                             "test_loss": loss + 0.2, "samples_per_s": samples / 10 / (t + 0.05)})
+                                             "test_loss": loss + 0.2, "test_accuracy": 1 - loss / 4,
+                                             "samples_per_s": samples / 10 / (t + 0.05)})
     report.add_sample("gpu0", 0.901, {"samples": 1001, "updates": 66, "loss": 0.8})
     report.finish_worker("gpu0", {"updates": 66, "samples": 1001})
     report.finish_worker("cpu0", {"updates": 16, "samples": 100})
@@ -61,6 +62,7 @@ def test_the_figure_draws_every_report_point_of_a_one_second_job(tmp_path):
     drawn = plot_report(data, tmp_path / "figure.png")
     assert list(drawn) == list(PANELS)
     assert drawn["loss"] == {"gpu0": 4, "cpu0": 3, "cpu0 test loss": 3}
+    assert drawn["test metric"] == {"cpu0 test_accuracy": 3}  # the evaluating worker's curve
     assert drawn["throughput"] == {"gpu0": 3, "cpu0": 3}
     assert drawn["update shares"] == {"gpu0": 7, "cpu0": 7}  # at each of the 7 report times
     assert (tmp_path / "figure.png").stat().st_size > 10_000
@@ -74,7 +76,7 @@ def test_the_figure_of_a_report_without_points_says_so(tmp_path):
 
     drawn = plot_report(RunReport(job="j", config="c", consistency="sync", policy="static").to_json(),
                         tmp_path / "empty.png")
-    assert drawn == {"loss": {}, "throughput": {}, "update shares": {}}
+    assert drawn == {"loss": {}, "test metric": {}, "throughput": {}, "update shares": {}}
     assert (tmp_path / "empty.png").stat().st_size > 1000
 
 

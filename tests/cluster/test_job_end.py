@@ -89,26 +89,31 @@ def test_a_diverging_job_fails_in_one_line_with_a_hint_and_still_reports(tmp_pat
     assert final["status"] == "failed" and "workers remain" in final["stop_reason"], final
 
 
-def test_a_worker_with_an_unusable_device_fails_the_job_at_once(tmp_path):
+# A CUDA device on a machine without CUDA: hmp-launch refuses it before any daemon starts (tests/cluster/test_check.py);
+# through the API (LocalCluster, like daemons started by hand or on other hosts) the worker itself finds it out.
+async def test_a_worker_with_an_unusable_device_fails_the_job_at_once(tmp_path):
     """min_workers = 2: the job cannot go on without it, and says so within seconds, not after join_timeout_s."""
+    from hmp.cluster import JobFailed, LocalCluster
+
     cfg = write_config(tmp_path, extra_train="min_workers = 2")
     cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda:7"'))  # gpu0; no CUDA here
     t0 = time.monotonic()
-    code, out, err = _finish(_launch(cfg))
+    with pytest.raises(JobFailed) as info:
+        async with LocalCluster(cfg, grace_s=5) as cluster:
+            await cluster.train(timeout_s=60)
     took = time.monotonic() - t0
-    assert code == 1, out + err
     assert took < 30, f"{took:.1f} s: waited for join_timeout_s (60 s)?"
-    line = next(ln for ln in err.splitlines() if ln.startswith("hmp-launch: job failed: "))
-    assert "gpu0 (gpu_worker)" in line and "CUDA" in line, line
+    assert "gpu0" in info.value.cause and "CUDA" in info.value.cause, info.value.cause
     assert not (tmp_path / "run" / "report.json").exists()  # no worker was admitted: nothing was trained
 
 
-def test_a_worker_with_an_unusable_device_is_left_out_when_min_workers_allow(tmp_path):
+async def test_a_worker_with_an_unusable_device_is_left_out_when_min_workers_allow(tmp_path):
+    from hmp.cluster import LocalCluster
+
     cfg = write_config(tmp_path, target=0.9, epochs=3)
     cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda:7"'))
-    code, out, err = _finish(_launch(cfg))
-    assert code == 0, out + err
-    report = _report(tmp_path)
+    async with LocalCluster(cfg, grace_s=5) as cluster:
+        report = await cluster.train(timeout_s=60)
     assert report["final"]["status"] == "completed"
     assert [(e["node"], e["event"]) for e in report["membership"]] == [("gpu0", "failed")]
     assert "cannot start" in report["membership"][0]["why"]

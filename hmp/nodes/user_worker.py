@@ -506,7 +506,8 @@ class UserRingWorkerNode(UserLoop, RingWorkerNode):
 
     async def evaluate_now(self) -> dict[str, float]:
         test = await self.test_set(await self.train_data())
-        out = await self.in_thread(evaluate, self.sharded.model, test.x_test, test.y_test, task=task_of(self.cfg))
+        task = task_of(self.cfg)
+        out = await self.in_thread(lambda: evaluate(self.sharded.model, test.x_test, test.y_test, task=task))
         self.metrics.update(out)
         self.next_eval = time.monotonic() + self.cfg.train.eval_every_s
         return out

@@ -396,13 +396,10 @@ class SchedulerNode(Node):
         interval = self.cfg.job.heartbeat_interval_s
         try:
             self.core.start(time.monotonic())
-            late_s = 0.0
             while not self.core.over and not self.core.failed:
-                self.core.tick(time.monotonic(), late_s)
+                self.core.tick(time.monotonic())
                 self._dispatch_events()
-                asleep = time.monotonic()
                 await asyncio.sleep(interval * TICK)
-                late_s = time.monotonic() - asleep - interval * TICK  # > 0: this loop could not run meanwhile
         except Exception as exc:
             self.log.exception("monitor_failed")
             self.core.fail(f"scheduler monitor failed: {exc.__class__.__name__}: {exc}")

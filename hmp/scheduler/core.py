@@ -847,11 +847,10 @@ class SchedulerCore:
         self.policy.forget(m.id)
         self._check_workers_done()
 
-    def tick(self, now: float, late_s: float = 0.0) -> None:
+    def tick(self, now: float) -> None:
         """Liveness and the join deadline: silent members become suspect, then lost; a lost shard,
         a lost worker that leaves fewer than ``min_workers``, or a node that did not join in time
-        fails the job. ``late_s``: how much later than its cadence this tick came (the shell's loop could not
-        run meanwhile)."""
+        fails the job."""
         for w, deadline in list(self.awaiting_restart.items()):
             if now > deadline:
                 del self.awaiting_restart[w]
@@ -860,7 +859,6 @@ class SchedulerCore:
                               "(join_timeout_s; [job] restarts allows role ps to be restarted with --resume)")
                 else:
                     self._check_min_workers(f"({w} was not restarted within {self.cfg.job.join_timeout_s} s)")
-        self._forgive_own_stall(now, late_s)
         for m in self.membership:
             silent = now - m.last_seen
             if m.state in CONNECTED and silent > LOST_AFTER * self.interval:
@@ -881,17 +879,6 @@ class SchedulerCore:
                 self._move(m, S.SUSPECT, f"silent for {silent:.1f} s")
             elif m.state in NOT_JOINED and self.join_deadline is not None and now > self.join_deadline:
                 self.fail(f"node {m.id} ({m.role}) did not join within {self.cfg.job.join_timeout_s} s")
-
-    def _forgive_own_stall(self, now: float, late_s: float) -> None:
-        """Silence only counts while this scheduler was listening. A tick that comes over half an interval late
-        means the scheduler itself could not run (starved of CPU, its loop held): heartbeats that arrived
-        meanwhile are still unread, so every member not heard from since before the stall is credited with it,
-        rather than declared lost for the scheduler's own delay. A dead member is still lost LOST_AFTER
-        listening intervals after its last message."""
-        if late_s > 0.5 * self.interval:
-            for m in self.membership:
-                if m.last_seen <= now - late_s:
-                    m.last_seen += late_s
 
     # ---------------------------------------------------------------- the end
     def final_from_reports(self) -> dict[str, Any]:

@@ -4,9 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 CONFIG ?= conf/local.toml
-# Test processes for `make test` (pytest-xdist); modules that share a Ray instance or an emulated subnet are
-# kept on one worker by their xdist_group mark.
-TEST_WORKERS ?= 2
+# More pytest arguments for `make test`, e.g. PYTEST_ARGS="-n 2 --dist loadgroup" (pytest-xdist; modules that
+# share a Ray instance or an emulated subnet carry an xdist_group mark). The default is one process: on two
+# cores a second one gains little (the daemons already fill them) and loaded heartbeats grow flaky.
+PYTEST_ARGS ?=
 
 .PHONY: setup run test test-unit bench docs docs-figures clean
 
@@ -25,7 +26,7 @@ run: setup
 	$(VENV)/bin/hmp-launch $(CONFIG)
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The pure tier alone (no sockets, threads or processes): under a minute.
 test-unit: setup

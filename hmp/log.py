@@ -12,9 +12,24 @@ from typing import Any
 import structlog
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is at each write, not as it was when logging was configured: a process whose stderr
+    is replaced afterwards (a test's capture that is later closed, a redirect) logs to the current one."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure(fmt: str = "auto", level: int = logging.INFO, stream=None) -> None:
-    """Console rendering on a terminal, JSON lines otherwise (``fmt`` auto | console | json)."""
-    stream = stream or sys.stderr
+    """Console rendering on a terminal, JSON lines otherwise (``fmt`` auto | console | json); to ``stream``, or
+    to whatever ``sys.stderr`` is at each line."""
+    stream = stream or _CurrentStderr()
     use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(

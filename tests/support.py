@@ -293,7 +293,11 @@ class Daemons:
         return proc
 
     def log(self, node_id: str, start: int = 1) -> str:
-        return (self.logs / f"{node_id}.{start}.log").read_text(errors="replace")
+        """The daemon's log so far ("" until the forked daemon has opened it)."""
+        try:
+            return (self.logs / f"{node_id}.{start}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def __enter__(self) -> Daemons:
         return self
